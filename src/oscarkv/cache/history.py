@@ -1,0 +1,123 @@
+"""Growable token-axis storage of the history region of one layer (keys or values).
+
+Tensors are [batch, kv_heads, tokens, head_dim]. Capacity grows geometrically so that
+appending one token per decode step costs amortised O(1) copies, not O(length).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.int2 import Int2Tensor, dequantize_int2, quantize_int2
+
+
+class _Growable:
+    """A [B, H, capacity, X] buffer with a filled prefix along dim 2."""
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        n = x.shape[2]
+        if self.data is None:
+            self.data = torch.empty((*x.shape[:2], max(n, 16), x.shape[3]), dtype=x.dtype, device=x.device)
+        elif self.length + n > self.data.shape[2]:
+            grown = torch.empty(
+                (*self.data.shape[:2], max(2 * self.data.shape[2], self.length + n), self.data.shape[3]),
+                dtype=self.data.dtype,
+                device=self.data.device,
+            )
+            grown[:, :, : self.length] = self.data[:, :, : self.length]
+            self.data = grown
+        self.data[:, :, self.length : self.length + n] = x
+        self.length += n
+
+    def view(self) -> torch.Tensor:
+        assert self.data is not None
+        return self.data[:, :, : self.length]
+
+    def drop_front(self, n: int) -> None:
+        if n <= 0 or self.data is None:
+            return
+        kept = self.data[:, :, n : self.length].clone()
+        self.data, self.length = None, 0
+        if kept.shape[2]:
+            self.append(kept)
+
+    def map_batch(self, fn) -> None:
+        if self.data is not None:
+            kept = fn(self.view())
+            self.data, self.length = None, 0
+            self.append(kept)
+
+    def nbytes(self) -> int:
+        """Bytes of the filled prefix (what the tokens occupy, not the spare capacity)."""
+        if self.data is None:
+            return 0
+        return self.length * self.data.shape[0] * self.data.shape[1] * self.data.shape[3] * self.data.element_size()
+
+
+class HistoryStore:
+    """The history of one tensor stream (keys or values) of one layer.
+
+    quantize=True stores INT2 codes and scales; False stores `plain_dtype` tensors (the
+    BF16 baseline and the no-quantization equivalence checks use this).
+    """
+
+    def __init__(self, quantize: bool, group_size: int, clip_ratio: float, scale_dtype: torch.dtype,
+                 plain_dtype: torch.dtype) -> None:
+        self.quantize = quantize
+        self.group_size = group_size
+        self.clip_ratio = clip_ratio
+        self.scale_dtype = scale_dtype
+        self.plain_dtype = plain_dtype
+        self.parts = [_Growable()] if not quantize else [_Growable(), _Growable(), _Growable()]
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].length
+
+    def encode(self, x: torch.Tensor) -> Int2Tensor | torch.Tensor:
+        if not self.quantize:
+            return x.to(self.plain_dtype)
+        return quantize_int2(x, self.group_size, self.clip_ratio, self.scale_dtype)
+
+    def decode(self, stored: Int2Tensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(stored, Int2Tensor):
+            return dequantize_int2(stored, dtype)
+        return stored.to(dtype)
+
+    def roundtrip(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x as it would read back after being stored in the history."""
+        return self.decode(self.encode(x), dtype)
+
+    def append(self, x: torch.Tensor) -> None:
+        """x: [B, H, n, D] -> stored at the end of the history."""
+        stored = self.encode(x)
+        if isinstance(stored, Int2Tensor):
+            for part, tensor in zip(self.parts, (stored.packed, stored.scale, stored.zero)):
+                part.append(tensor)
+        else:
+            self.parts[0].append(stored)
+
+    def stored(self) -> Int2Tensor | torch.Tensor:
+        if not self.quantize:
+            return self.parts[0].view()
+        packed, scale, zero = (part.view() for part in self.parts)
+        return Int2Tensor(packed, scale, zero, self.group_size, self.plain_dtype)
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole history dequantized to `dtype` (a temporary for the reference read path)."""
+        return self.decode(self.stored(), dtype)
+
+    def drop_front(self, n: int) -> None:
+        for part in self.parts:
+            part.drop_front(n)
+
+    def map_batch(self, fn) -> None:
+        for part in self.parts:
+            part.map_batch(fn)
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self.parts)

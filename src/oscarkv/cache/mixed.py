@@ -1,0 +1,199 @@
+"""The mixed-precision KV cache for transformers (SPEC §3): BF16 sink, INT2 history, BF16 recent.
+
+Storage per layer, along a slot axis shared by the batch (left padding occupies the first
+slots of shorter rows):
+
+    sink   [0, a)            window dtype, a = sink_tokens + largest left padding
+    history [a + dropped, …)  INT2 (HistoryStore)
+    tail    last slots        window dtype: the recent window plus the tokens of the step in flight
+
+Write path (`update`): rotate keys by R_K, append, and hand the layer itself to the
+attention function as the key/value "handle". Tokens that have aged out of the recent
+window are moved to the history at the start of the next `update` (`flush`), so the
+attention of the current step still sees them at full precision where the decode
+semantics say so (see `oscarkv.attention.precision_masks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from ..config import CacheConfig, QuantConfig
+from ..errors import OscarError
+from .history import HistoryStore
+
+
+@dataclass
+class LayerSpec:
+    """What the write path of one layer needs."""
+
+    k_rotation: torch.Tensor | None  # [d, d] float32, None = identity
+    quant: QuantConfig
+    sliding_window: int | None = None
+
+
+class OscarLayer(DynamicLayer):
+    """One layer of the mixed-precision cache; see the module docstring for the layout."""
+
+    def __init__(self, spec: LayerSpec, config: CacheConfig, owner: OscarCache) -> None:
+        super().__init__()
+        self.spec = spec
+        self.config = config
+        self.owner = owner
+        self.sink_tokens = config.sink_tokens
+        self.is_sliding = False  # keep every slot addressable; the attention applies the window
+
+    # -- transformers interface -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        store_dtype = self.config.window_dtype
+        quant = self.spec.quant
+        self.history_k = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_k,
+                                      quant.scale_dtype, store_dtype)
+        self.history_v = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_v,
+                                      quant.scale_dtype, store_dtype)
+        empty = key_states[:, :, :0].to(store_dtype)
+        self.sink_k, self.sink_v = empty, empty.clone()
+        self.tail_k, self.tail_v = empty.clone(), empty.clone()
+        self.dropped = 0  # history slots dropped from the front (sliding-window layers)
+        self.length = 0
+        self.pad = self.owner.padding(key_states.shape[0], key_states.device)
+        self.sink_capacity = self.sink_tokens + int(self.pad.max().item()) if self.pad.numel() else self.sink_tokens
+        if self.spec.k_rotation is not None:
+            self.k_rotation = self.spec.k_rotation.to(device=self.device, dtype=torch.float32)
+        else:
+            self.k_rotation = None
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states: [B, H_kv, n, D] after RoPE. Returns (self, self) as handles."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.flush()
+        keys = self.rotate_keys(key_states).to(self.config.window_dtype)
+        values = value_states.to(self.config.window_dtype)
+        room = max(0, self.sink_capacity - self.sink_k.shape[2])
+        if room:
+            self.sink_k = torch.cat([self.sink_k, keys[:, :, :room]], dim=2)
+            self.sink_v = torch.cat([self.sink_v, values[:, :, :room]], dim=2)
+            keys, values = keys[:, :, room:], values[:, :, room:]
+        if keys.shape[2]:
+            self.tail_k = torch.cat([self.tail_k, keys], dim=2)
+            self.tail_v = torch.cat([self.tail_v, values], dim=2)
+        self.length += key_states.shape[2]
+        return self, self
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            tokens_to_remove = self.length - tokens_to_remove
+        n = abs(tokens_to_remove)
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self.tail_k.shape[2]:
+            raise OscarError(
+                f"cannot crop {n} tokens: only the {self.tail_k.shape[2]} most recent tokens are kept in full "
+                "precision and INT2 history cannot be un-written. Crop at most the recent window."
+            )
+        self.tail_k, self.tail_v = self.tail_k[:, :, :-n], self.tail_v[:, :, :-n]
+        self.length -= n
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda x: x[indices, ...])
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
+        self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
+        self.history_k.map_batch(fn)
+        self.history_v.map_batch(fn)
+        self.pad = fn(self.pad)
+
+    # -- write path -------------------------------------------------------------------------
+    def rotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """k @ R_K in at least float32 (keys: [B, H, n, D])."""
+        if self.k_rotation is None:
+            return keys
+        dtype = torch.promote_types(keys.dtype, torch.float32)
+        return keys.to(dtype) @ self.k_rotation.to(dtype)
+
+    def flush(self) -> None:
+        """Move tokens that left the recent window into the INT2 history."""
+        overflow = self.tail_k.shape[2] - self.config.recent_tokens
+        if overflow > 0:
+            self.history_k.append(self.tail_k[:, :, :overflow])
+            self.history_v.append(self.tail_v[:, :, :overflow])
+            self.tail_k = self.tail_k[:, :, overflow:].contiguous()
+            self.tail_v = self.tail_v[:, :, overflow:].contiguous()
+        window = self.spec.sliding_window
+        if window and self.history_k.length:
+            # Slots older than length - window are invisible to every future query.
+            first_visible = self.length - window + 1
+            stale = min(self.history_k.length, first_visible - (self.sink_capacity + self.dropped))
+            if stale > 0:
+                self.history_k.drop_front(stale)
+                self.history_v.drop_front(stale)
+                self.dropped += stale
+
+    # -- read-path views ----------------------------------------------------------------------
+    @property
+    def history_start(self) -> int:
+        return self.sink_capacity + self.dropped
+
+    @property
+    def tail_start(self) -> int:
+        return self.length - self.tail_k.shape[2]
+
+    def nbytes(self) -> int:
+        """Bytes the stored K/V of this layer occupy now (after moving aged tokens to history)."""
+        if not self.is_initialized:
+            return 0
+        self.flush()
+        windows = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
+        return windows + self.history_k.nbytes() + self.history_v.nbytes()
+
+
+class OscarCache(DynamicCache):
+    """A DynamicCache whose layers are `OscarLayer`s (so `generate` treats it as dynamic)."""
+
+    def __init__(self, specs: list[LayerSpec], config: CacheConfig) -> None:
+        self.cache_config = config
+        self._pad: torch.Tensor | None = None
+        Cache.__init__(self, layers=[OscarLayer(spec, config, self) for spec in specs])
+
+    def set_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Record each row's left padding from a 2-D mask [B, T] before the first token is written."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            self._pad = None
+            return
+        mask = attention_mask.bool()
+        pad = (~mask).int().cumprod(dim=1).sum(dim=1)  # leading zeros per row
+        expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pad[:, None]
+        if not torch.equal(mask, expected):
+            raise OscarError(
+                "the attention mask has holes or right padding; the oscarkv cache supports left padding only "
+                "(tokenizer.padding_side = 'left')."
+            )
+        self._pad = pad
+
+    def padding(self, batch: int, device: torch.device) -> torch.Tensor:
+        if self._pad is None or self._pad.shape[0] != batch:
+            return torch.zeros(batch, dtype=torch.long, device=device)
+        return self._pad.to(device=device, dtype=torch.long)
+
+    def nbytes(self) -> int:
+        """Bytes of K/V stored over all layers."""
+        return sum(layer.nbytes() for layer in self.layers)

@@ -1,0 +1,1 @@
+"""Offline calibration: statistics, rotation algebra and the rotations artifact."""

@@ -1,0 +1,200 @@
+"""The rotations artifact: safetensors tensors plus a JSON metadata header.
+
+Tensors (float32), per layer i:
+    layers.{i}.k_rotation   [d, d]   R_K
+    layers.{i}.v_rotation   [d, d]   R_V
+    layers.{i}.k_eigenvalues [d]     spectrum behind R_K (descending; ones for data-free methods)
+    layers.{i}.v_eigenvalues [d]
+
+Metadata key "oscarkv" holds JSON: format version, method, model identity, quantization
+settings and calibration provenance. Loading checks all of it; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import ArtifactError
+from .rotations import check_orthogonal
+
+FORMAT_VERSION = 1
+METADATA_KEY = "oscarkv"
+SIGNATURE_RTOL = 2e-2  # weight norms agree to this between a bf16 and an fp32 load of one model
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What an artifact must match: the attention shapes and a fingerprint of the weights."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    # k_proj weights of the first and last layer projected on a fixed ±1 vector (8 rows each):
+    # cheap, robust to bf16/fp32 loading, and unrelated between any two different models.
+    weight_signature: tuple[float, ...] = ()
+
+    def mismatch(self, other: ModelIdentity) -> str | None:
+        """A sentence naming the first difference, or None when `other` is the same model."""
+        for name in ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} is {getattr(self, name)!r} in the artifact but {getattr(other, name)!r} in the model"
+        if len(self.weight_signature) != len(other.weight_signature):
+            return "the weight fingerprints have different lengths"
+        a = torch.tensor(self.weight_signature, dtype=torch.float64)
+        b = torch.tensor(other.weight_signature, dtype=torch.float64)
+        scale = max(a.pow(2).mean().sqrt().item(), 1e-12)
+        if (a - b).abs().max().item() > SIGNATURE_RTOL * scale:
+            return "the weights differ (the k_proj fingerprints do not match)"
+        return None
+
+
+@dataclass
+class LayerRotation:
+    k_rotation: torch.Tensor  # [d, d]
+    v_rotation: torch.Tensor  # [d, d]
+    k_eigenvalues: torch.Tensor  # [d]
+    v_eigenvalues: torch.Tensor  # [d]
+
+
+@dataclass
+class RotationArtifact:
+    """Per-layer rotations with their provenance."""
+
+    method: str
+    model: ModelIdentity
+    layers: list[LayerRotation]
+    group_size: int
+    clip_ratio_k: float
+    clip_ratio_v: float
+    calibration: dict = field(default_factory=dict)  # tokens, sources, chunks...
+    format_version: int = FORMAT_VERSION
+
+    def metadata(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "method": self.method,
+            "model": asdict(self.model),
+            "group_size": self.group_size,
+            "clip_ratio_k": self.clip_ratio_k,
+            "clip_ratio_v": self.clip_ratio_v,
+            "calibration": self.calibration,
+        }
+
+    def check_model(self, identity: ModelIdentity) -> None:
+        problem = self.model.mismatch(identity)
+        if problem:
+            raise ArtifactError(
+                f"This rotations artifact was made for another model: {problem}. "
+                "Calibrate one for this model with `oscarkv calibrate MODEL --out rot.safetensors`."
+            )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically: a failure leaves no half-written file at `path`."""
+        path = Path(path)
+        self._check()
+        tensors = {}
+        for i, layer in enumerate(self.layers):
+            for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues"):
+                tensors[f"layers.{i}.{name}"] = getattr(layer, name).float().contiguous().clone()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={METADATA_KEY: json.dumps(self.metadata())})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+    def _check(self) -> None:
+        d = self.model.head_dim
+        if len(self.layers) != self.model.num_layers:
+            raise ArtifactError(
+                f"the artifact has {len(self.layers)} layers but its model has {self.model.num_layers}; "
+                "the file is damaged: re-run `oscarkv calibrate`."
+            )
+        for i, layer in enumerate(self.layers):
+            for name in ("k_rotation", "v_rotation"):
+                r = getattr(layer, name)
+                if tuple(r.shape) != (d, d):
+                    raise ArtifactError(
+                        f"layers.{i}.{name} has shape {tuple(r.shape)}, expected ({d}, {d}); "
+                        "re-run `oscarkv calibrate`."
+                    )
+                if not torch.isfinite(r).all():
+                    raise ArtifactError(f"layers.{i}.{name} holds non-finite values; re-run `oscarkv calibrate`.")
+                check_orthogonal(r, f"layers.{i}.{name}")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RotationArtifact:
+        """Read and validate an artifact (shapes, orthogonality, format version)."""
+        path = Path(path)
+        if not path.is_file():
+            raise ArtifactError(f"rotations file {str(path)!r} does not exist; create it with `oscarkv calibrate`.")
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                header = handle.metadata() or {}
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ArtifactError(
+                f"{str(path)!r} is not a readable safetensors file ({exc}); it is corrupt or truncated: "
+                "re-run `oscarkv calibrate`."
+            ) from exc
+        if METADATA_KEY not in header:
+            raise ArtifactError(
+                f"{str(path)!r} has no oscarkv metadata: it is not an oscarkv rotations artifact. "
+                "Create one with `oscarkv calibrate MODEL --out FILE`."
+            )
+        try:
+            meta = json.loads(header[METADATA_KEY])
+            version = int(meta["format_version"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ArtifactError(f"{str(path)!r} has an unreadable metadata header ({exc}); re-run `oscarkv calibrate`.")
+        if version != FORMAT_VERSION:
+            raise ArtifactError(
+                f"{str(path)!r} has artifact format version {version}; this oscarkv reads version "
+                f"{FORMAT_VERSION}. Re-calibrate: `oscarkv calibrate MODEL --out {path.name}`."
+            )
+        try:
+            model = meta["model"]
+            identity = ModelIdentity(**{**model, "weight_signature": tuple(model["weight_signature"])})
+            layers = [
+                LayerRotation(
+                    tensors[f"layers.{i}.k_rotation"],
+                    tensors[f"layers.{i}.v_rotation"],
+                    tensors[f"layers.{i}.k_eigenvalues"],
+                    tensors[f"layers.{i}.v_eigenvalues"],
+                )
+                for i in range(identity.num_layers)
+            ]
+            artifact = cls(
+                method=meta["method"],
+                model=identity,
+                layers=layers,
+                group_size=int(meta["group_size"]),
+                clip_ratio_k=float(meta["clip_ratio_k"]),
+                clip_ratio_v=float(meta["clip_ratio_v"]),
+                calibration=meta.get("calibration", {}),
+                format_version=version,
+            )
+        except (KeyError, TypeError) as exc:
+            raise ArtifactError(
+                f"{str(path)!r} is missing {exc} in its tensors or metadata; it is truncated or damaged: "
+                "re-run `oscarkv calibrate`."
+            ) from exc
+        artifact._check()
+        return artifact

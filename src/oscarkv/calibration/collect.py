@@ -1,0 +1,103 @@
+"""Streaming float64 statistics of q, k, v taken inside attention (after RoPE and q/k-norm).
+
+A calibration attention function, registered under its own name, sees exactly the
+tensors the model attends with; it accumulates the statistics and then runs plain SDPA so
+the forward continues unchanged. Nothing but d×d sums is kept between chunks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..errors import CalibrationError
+
+CALIBRATION_ATTENTION = "oscar_calibrate"
+
+
+@dataclass
+class LayerStats:
+    """Sums per KV head, float64. C = sum / count gives each covariance."""
+
+    qq: torch.Tensor  # [Hkv, d, d]  Σ qᵀq over the query heads of each KV head
+    kk: torch.Tensor  # [Hkv, d, d]  Σ kᵀk
+    vv: torch.Tensor  # [Hkv, d, d]  Σ vᵀv
+    sv: torch.Tensor  # [Hkv, d, d]  Σ w·vᵀv, w = k C_Q kᵀ  (second pass)
+    weight: torch.Tensor  # [Hkv]    Σ w
+    queries: int = 0  # rows summed into qq per KV head
+    tokens: int = 0  # rows summed into kk, vv
+
+    @classmethod
+    def empty(cls, kv_heads: int, d: int) -> LayerStats:
+        z = lambda: torch.zeros(kv_heads, d, d, dtype=torch.float64)  # noqa: E731
+        return cls(z(), z(), z(), z(), torch.zeros(kv_heads, dtype=torch.float64))
+
+    def query_covariance(self) -> torch.Tensor:
+        """C_Q per KV head [Hkv, d, d]."""
+        return self.qq / max(self.queries, 1)
+
+
+@dataclass
+class Collector:
+    """Accumulates `LayerStats` for every layer during one calibration pass."""
+
+    stats: dict[int, LayerStats] = field(default_factory=dict)
+    second_pass: bool = False
+
+    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                valid: torch.Tensor | None) -> None:
+        """q: [B, Hq, T, d]; k, v: [B, Hkv, T, d]; valid: [B, T] bool or None."""
+        for name, t in (("queries", q), ("keys", k), ("values", v)):
+            if not torch.isfinite(t).all():
+                raise CalibrationError(
+                    f"non-finite {name} in layer {layer} during calibration: the model overflows on this text "
+                    "in its dtype. Calibrate in float32 (on CPU the default) or with other text."
+                )
+        b, hq, t_len, d = q.shape
+        hkv = k.shape[1]
+        if valid is None:
+            valid = torch.ones(b, t_len, dtype=torch.bool, device=q.device)
+        sel = valid.reshape(-1)
+        qf = q.double().transpose(1, 2).reshape(b * t_len, hkv, hq // hkv, d)[sel]  # [N, Hkv, g, d]
+        kf = k.double().transpose(1, 2).reshape(b * t_len, hkv, d)[sel]
+        vf = v.double().transpose(1, 2).reshape(b * t_len, hkv, d)[sel]
+        stats = self.stats.setdefault(layer, LayerStats.empty(hkv, d))
+        if not self.second_pass:
+            stats.qq += torch.einsum("nhgd,nhge->hde", qf, qf).cpu()
+            stats.kk += torch.einsum("nhd,nhe->hde", kf, kf).cpu()
+            stats.vv += torch.einsum("nhd,nhe->hde", vf, vf).cpu()
+            stats.queries += qf.shape[0] * qf.shape[2]
+            stats.tokens += kf.shape[0]
+        else:
+            c_q = stats.query_covariance().to(kf.device)
+            w = torch.einsum("nhd,hde,nhe->nh", kf, c_q, kf).clamp(min=0)  # attention-weight proxy per token
+            stats.sv += torch.einsum("nh,nhd,nhe->hde", w, vf, vf).cpu()
+            stats.weight += w.sum(0).cpu()
+
+
+def _make_attention(collector: Collector):
+    def calibration_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+        valid = getattr(collector, "valid", None)
+        collector.observe(module.layer_idx, query.detach(), key.detach(), value.detach(), valid)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return calibration_attention
+
+
+@contextmanager
+def collecting(model: nn.Module, collector: Collector):
+    """Route the model's attention through the collector for the duration of the block."""
+    AttentionInterface.register(CALIBRATION_ATTENTION, _make_attention(collector))
+    AttentionMaskInterface.register(CALIBRATION_ATTENTION, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CALIBRATION_ATTENTION)
+    try:
+        yield collector
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,77 @@
+"""Typed configuration of the compressed KV cache.
+
+One frozen dataclass per concern; every field is validated on construction so that a
+bad value fails where it is written, not deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import OscarError
+
+SCALE_DTYPES = (torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How one history token of one KV head is stored (SPEC §2).
+
+    group_size: channels sharing one (scale, zero) pair; must divide head_dim.
+    clip_ratio_k / clip_ratio_v: per-token clip at the value of rank floor(c·d) of |x|;
+        c <= 0 disables clipping.
+    scale_dtype: storage dtype of scale and zero (float16 by default).
+    """
+
+    group_size: int = 128
+    clip_ratio_k: float = 0.96
+    clip_ratio_v: float = 0.92
+    scale_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if self.group_size < 4 or self.group_size & (self.group_size - 1):
+            raise OscarError(
+                f"group_size={self.group_size} must be a power of two >= 4 (e.g. 64 or 128)."
+            )
+        for name in ("clip_ratio_k", "clip_ratio_v"):
+            value = getattr(self, name)
+            if not value <= 1.0:
+                raise OscarError(f"{name}={value} must be <= 1 (use 0 to disable clipping).")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise OscarError(f"scale_dtype={self.scale_dtype} must be torch.float16 or torch.float32.")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % self.group_size:
+            raise OscarError(
+                f"group_size={self.group_size} does not divide head_dim={head_dim}; "
+                f"choose a group size that divides it (e.g. {min(head_dim, 64)})."
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Layout of the mixed-precision cache (SPEC §3).
+
+    sink_tokens: the first tokens of each sequence, kept in `window_dtype`.
+    recent_tokens: the most recent tokens (the current one included), kept in `window_dtype`.
+    window_dtype: storage dtype of the sink and recent windows.
+    quantize_history: False stores the history in `window_dtype` too (the BF16 baseline).
+    """
+
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    window_dtype: torch.dtype = torch.bfloat16
+    quantize_history: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sink_tokens < 0:
+            raise OscarError(f"sink_tokens={self.sink_tokens} must be >= 0.")
+        if self.recent_tokens < 1:
+            raise OscarError(
+                f"recent_tokens={self.recent_tokens} must be >= 1 (the current token is always "
+                "attended in full precision)."
+            )
+        if not self.window_dtype.is_floating_point:
+            raise OscarError(f"window_dtype={self.window_dtype} must be a floating-point dtype.")

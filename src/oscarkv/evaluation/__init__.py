@@ -1,0 +1,1 @@
+"""Accuracy evaluation on one harness."""

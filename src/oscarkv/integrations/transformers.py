@@ -1,0 +1,143 @@
+"""Plug the mixed-precision cache into a transformers model (see ../shared/TRANSFORMERS.md).
+
+`patch_model` does, in order:
+1. checks the artifact against the model (shapes and weight fingerprint);
+2. absorbs R_V into the weights: W_v <- R_Vᵀ·W_v per KV head (bias too), and
+   W_o <- W_o·blockdiag(R_V) per query head, so attention outputs come out rotated and
+   o_proj undoes it for free;
+3. registers the attention function "oscar" (and its mask function, without which
+   transformers builds no padding mask for an unknown name) and selects it;
+4. makes every forward and `generate` use an `OscarCache` unless one is passed.
+
+Keys are rotated by R_K in the cache's write path and queries in the attention function,
+so (qR)(kR)ᵀ = qkᵀ and keys are never rotated back.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..attention import oscar_attention_reference
+from ..cache.mixed import LayerSpec, OscarCache, OscarLayer
+from ..calibration.artifact import RotationArtifact
+from ..config import CacheConfig, QuantConfig
+from ..models import attention_modules, attention_shape, model_identity
+
+ATTENTION_NAME = "oscar"
+
+
+@dataclass
+class OscarState:
+    """What a patched model carries: the artifact, the configs, and the per-layer write specs."""
+
+    artifact: RotationArtifact
+    quant: QuantConfig
+    cache: CacheConfig
+    specs: list[LayerSpec]
+
+    def new_cache(self) -> OscarCache:
+        return OscarCache(self.specs, self.cache)
+
+
+def oscar_attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask, scaling=None,
+                    dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """Attention function registered as "oscar": reads the compressed cache through its handle."""
+    if not isinstance(key, OscarLayer):
+        # No oscarkv cache (use_cache=False): plain attention on unquantized, unrotated keys.
+        # Values already come out of the rotated v_proj and o_proj rotates them back.
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+    layer = key
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = layer.rotate_keys(query)
+    return oscar_attention_reference(layer, q, scaling, sliding_window, softcap), None
+
+
+def register_attention() -> None:
+    AttentionInterface.register(ATTENTION_NAME, oscar_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _block_rotate_rows(weight: torch.Tensor, rotation: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[blocks*d, in] -> per block Rᵀ·W_block (output rows rotated: y_block @ R)."""
+    d = rotation.shape[0]
+    w = weight.double().reshape(blocks, d, -1)
+    return torch.einsum("ed,hei->hdi", rotation, w).reshape(weight.shape)
+
+
+def absorb_value_rotation(module: nn.Module, rotation: torch.Tensor, num_kv_heads: int, num_heads: int) -> None:
+    """W_v <- R_Vᵀ W_v per KV head (bias b <- b R_V), W_o[:, head h] <- W_o[:, h] R_V.
+
+    Always recomputed from the original weights, so patching a model twice is safe.
+    """
+    v_proj, o_proj = module.v_proj, module.o_proj
+    if not hasattr(module, "_oscar_original"):
+        module._oscar_original = {
+            "v_weight": v_proj.weight.detach().clone(),
+            "v_bias": None if v_proj.bias is None else v_proj.bias.detach().clone(),
+            "o_weight": o_proj.weight.detach().clone(),
+        }
+    original = module._oscar_original
+    r = rotation.double().to(v_proj.weight.device)
+    d = r.shape[0]
+    with torch.no_grad():
+        v_proj.weight.copy_(_block_rotate_rows(original["v_weight"], r, num_kv_heads))
+        if original["v_bias"] is not None:
+            v_proj.bias.copy_((original["v_bias"].double().reshape(num_kv_heads, d) @ r).reshape(-1))
+        w_o = original["o_weight"].double()
+        o_proj.weight.copy_((w_o.reshape(w_o.shape[0], num_heads, d) @ r).reshape(w_o.shape))
+
+
+def _inject_cache(model: nn.Module, args, kwargs):
+    """Forward pre-hook: use an OscarCache where the caller passed none; record padding."""
+    cache = kwargs.get("past_key_values")
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", True)
+    if cache is None and use_cache:
+        cache = model.oscar.new_cache()
+        kwargs["past_key_values"] = cache
+    if isinstance(cache, OscarCache) and cache.get_seq_length() == 0:
+        cache.set_padding(kwargs.get("attention_mask"))
+    return args, kwargs
+
+
+def _prepare_cache_with_oscar(self, generation_config, model_kwargs, *args, **kwargs):
+    if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+        model_kwargs["past_key_values"] = self.oscar.new_cache()
+    return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+
+
+def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig | None = None,
+                cache: CacheConfig | None = None) -> nn.Module:
+    """Make `model` store its KV cache as OSCAR INT2 (in place; returns the model).
+
+    quant: defaults to the artifact's group size and clip ratios.
+    cache: defaults to CacheConfig() (64 sink, 256 recent, BF16 windows, INT2 history).
+    """
+    artifact.check_model(model_identity(model))
+    quant = quant or QuantConfig(artifact.group_size, artifact.clip_ratio_k, artifact.clip_ratio_v)
+    cache = cache or CacheConfig()
+    shape = attention_shape(model)
+    quant.check_head_dim(shape.head_dim)
+    specs = []
+    for module, layer, layer_type in zip(attention_modules(model), artifact.layers, shape.layer_types):
+        absorb_value_rotation(module, layer.v_rotation, shape.num_kv_heads, shape.num_heads)
+        sliding = shape.sliding_window if layer_type == "sliding_attention" else None
+        k_rotation = None if artifact.method == "identity" else layer.k_rotation
+        specs.append(LayerSpec(k_rotation=k_rotation, quant=quant, sliding_window=sliding))
+    model.oscar = OscarState(artifact, quant, cache, specs)
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    if not getattr(model, "_oscar_hooked", False):
+        model.register_forward_pre_hook(_inject_cache, with_kwargs=True)
+        model._prepare_cache_for_generation = types.MethodType(_prepare_cache_with_oscar, model)
+        model._oscar_hooked = True
+    return model

@@ -1,0 +1,67 @@
+"""KV-cache methods on one machinery: the BF16 baseline, naive INT2, Hadamard INT2 and OSCAR.
+
+Every method is (rotations, quantization, cache layout); they differ only in the first
+and in whether the history is quantized, so comparisons are like for like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .calibration.artifact import LayerRotation, RotationArtifact
+from .calibration.rotations import hadamard
+from .config import CacheConfig, QuantConfig
+from .errors import OscarError
+from .models import attention_shape, model_identity
+
+METHODS = ("bf16", "oscar", "naive", "hadamard")
+DESCRIPTIONS = {
+    "bf16": "BF16 cache everywhere (the reference)",
+    "oscar": "OSCAR rotations from the artifact, INT2 history",
+    "naive": "no rotation, INT2 history",
+    "hadamard": "Walsh-Hadamard rotation of K and V (QuaRot-style), INT2 history",
+}
+
+
+def data_free_artifact(model, method: str, quant: QuantConfig) -> RotationArtifact:
+    """Rotations that need no calibration: `identity` or `hadamard`, for every layer."""
+    shape = attention_shape(model)
+    d = shape.head_dim
+    if method == "identity":
+        rotation = torch.eye(d)
+    elif method == "hadamard":
+        rotation = hadamard(d, torch.float32)
+    else:
+        raise OscarError(f"{method!r} is not a data-free method (identity, hadamard).")
+    ones = torch.ones(d)
+    layers = [LayerRotation(rotation.clone(), rotation.clone(), ones, ones) for _ in range(shape.num_layers)]
+    return RotationArtifact(method, model_identity(model), layers, quant.group_size, quant.clip_ratio_k,
+                            quant.clip_ratio_v, calibration={"tokens": 0, "sources": []})
+
+
+@dataclass
+class MethodSetup:
+    name: str
+    artifact: RotationArtifact
+    quant: QuantConfig
+    cache: CacheConfig
+
+
+def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
+                 artifact: RotationArtifact | None = None) -> MethodSetup:
+    """The artifact and configs that realise method `name` on `model`."""
+    if name == "bf16":
+        return MethodSetup(name, data_free_artifact(model, "identity", quant), quant,
+                           replace(cache, quantize_history=False))
+    if name == "naive":
+        return MethodSetup(name, data_free_artifact(model, "identity", quant), quant, cache)
+    if name == "hadamard":
+        return MethodSetup(name, data_free_artifact(model, "hadamard", quant), quant, cache)
+    if name == "oscar":
+        if artifact is None:
+            raise OscarError("method 'oscar' needs a rotations artifact: pass --rotations FILE "
+                             "(make one with `oscarkv calibrate MODEL --out FILE`).")
+        return MethodSetup(name, artifact, quant, cache)
+    raise OscarError(f"unknown method {name!r}; choose from {', '.join(METHODS)}.")

@@ -1,0 +1,183 @@
+"""Resolve a MODEL argument and load it; describe its attention layers.
+
+MODEL is a built-in alias (`smollm2-135m`), a local Hugging Face directory, or a GGUF
+file. A GGUF is converted once into a safetensors HF directory under the cache
+directory, so later loads take seconds (GGUF tokenizer conversion is the slow part).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .assets import SMOLLM2_GGUF, asset_path, cache_dir
+from .calibration.artifact import ModelIdentity
+from .errors import AssetError, UnsupportedModelError
+
+ALIASES = {"smollm2-135m": SMOLLM2_GGUF}
+DEFAULT_MODEL = "smollm2-135m"
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_positions: int
+    layer_types: tuple[str, ...]  # "full_attention" / "sliding_attention" per layer
+    sliding_window: int | None
+
+
+def text_config(model_or_config):
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config(decoder=True)
+
+
+def attention_shape(model_or_config) -> AttentionShape:
+    config = text_config(model_or_config)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = config.num_hidden_layers
+    types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+    return AttentionShape(
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        hidden_size=config.hidden_size,
+        max_positions=getattr(config, "max_position_embeddings", 0) or 0,
+        layer_types=types,
+        sliding_window=getattr(config, "sliding_window", None),
+    )
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules, in layer order (each has q/k/v/o projections and layer_idx)."""
+    found = {}
+    for module in model.modules():
+        if all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx")):
+            found[module.layer_idx] = module
+    shape = attention_shape(model)
+    if sorted(found) != list(range(shape.num_layers)):
+        raise UnsupportedModelError(
+            f"found attention modules for layers {sorted(found)} but the config has {shape.num_layers} layers; "
+            f"oscarkv supports {', '.join(SUPPORTED_TYPES)}-style attention (q/k/v/o projections)."
+        )
+    return [found[i] for i in range(shape.num_layers)]
+
+
+def check_supported(model: nn.Module) -> None:
+    config = text_config(model)
+    if config.model_type not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"model type {config.model_type!r} is not supported; oscarkv supports {', '.join(SUPPORTED_TYPES)}."
+        )
+    for module in attention_modules(model):
+        if getattr(module, "v_norm", None) is not None:
+            raise UnsupportedModelError(
+                "this model normalises values (v_norm); R_V cannot be absorbed into v_proj for it."
+            )
+
+
+def model_identity(model: nn.Module) -> ModelIdentity:
+    """Shapes plus a fingerprint of the k_proj weights of the first and last layer (unchanged by patching)."""
+    shape = attention_shape(model)
+    modules = attention_modules(model)
+    signature = []
+    for i in (0, shape.num_layers - 1):
+        weight = modules[i].k_proj.weight.detach().double().cpu()
+        probe = torch.randint(0, 2, (weight.shape[1],), generator=torch.Generator().manual_seed(1234)).double() * 2 - 1
+        signature += [round(float(x), 6) for x in (weight[:8] @ probe)]
+    return ModelIdentity(
+        model_type=text_config(model).model_type,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        hidden_size=shape.hidden_size,
+        weight_signature=tuple(signature),
+    )
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def _converted_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """GGUF -> safetensors HF directory (once; dequantized weights, tokenizer, config)."""
+    target = _converted_dir(gguf)
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"oscarkv: converting {gguf.name} to a safetensors model directory (once) ...")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    tmp = target.with_name(target.name + ".part")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    config_path = tmp / "config.json"
+    data = json.loads(config_path.read_text())
+    data.pop("quantization_config", None)  # vLLM and later loads reject a gguf entry here
+    config_path.write_text(json.dumps(data, indent=2))
+    tmp.rename(target)
+    return target
+
+
+def resolve_model(name: str) -> Path:
+    """MODEL argument -> a local HF directory."""
+    if name in ALIASES:
+        return _convert_gguf(asset_path(ALIASES[name]))
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise AssetError(
+        f"model {name!r} is not a built-in alias ({', '.join(ALIASES)}), a local Hugging Face directory "
+        "(with config.json) or a .gguf file. Pass one of those; models are never downloaded from a hub."
+    )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    """Load (model, tokenizer) for MODEL; float32 on CPU, bfloat16 on CUDA unless `dtype` says otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    directory = resolve_model(name)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(device).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_supported(model)
+    model.oscar_source = name
+    return model, tokenizer

@@ -1,0 +1,112 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from oscarkv import QuantConfig
+from oscarkv.calibration.artifact import FORMAT_VERSION, RotationArtifact
+from oscarkv.errors import ArtifactError
+from oscarkv.methods import data_free_artifact
+from oscarkv.models import model_identity
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture()
+def artifact(model):
+    return data_free_artifact(model, "hadamard", QuantConfig(group_size=32))
+
+
+def test_roundtrip(tmp_path, artifact, model):
+    path = artifact.save(tmp_path / "rot.safetensors")
+    loaded = RotationArtifact.load(path)
+    assert loaded.method == "hadamard" and loaded.group_size == 32
+    assert loaded.model == artifact.model
+    for a, b in zip(artifact.layers, loaded.layers):
+        assert torch.equal(a.k_rotation, b.k_rotation) and torch.equal(a.v_eigenvalues, b.v_eigenvalues)
+    loaded.check_model(model_identity(model))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist.*oscarkv calibrate"):
+        RotationArtifact.load(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("cut", [0, 10, 100, -50])
+def test_truncated_or_garbage_file(tmp_path, artifact, cut):
+    path = artifact.save(tmp_path / "rot.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[:cut] if cut >= 0 else data[:cut])
+    with pytest.raises(ArtifactError, match="corrupt or truncated|missing|re-run"):
+        RotationArtifact.load(path)
+
+
+def test_not_an_oscarkv_file(tmp_path):
+    path = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(2)}, str(path))
+    with pytest.raises(ArtifactError, match="not an oscarkv rotations artifact"):
+        RotationArtifact.load(path)
+
+
+def test_other_format_version_names_the_command(tmp_path, artifact):
+    artifact.format_version = FORMAT_VERSION + 1
+    path = tmp_path / "rot.safetensors"
+    artifact.save(path)
+    with pytest.raises(ArtifactError, match="format version .*oscarkv calibrate"):
+        RotationArtifact.load(path)
+
+
+def test_other_model_rejected(artifact):
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(ArtifactError, match="another model.*weights differ"):
+        artifact.check_model(model_identity(other))
+    with pytest.raises(ArtifactError, match="another model.*head_dim"):
+        artifact.check_model(model_identity(tiny_model("llama", head_dim=16)))
+
+
+def test_non_orthogonal_rotation_rejected_at_save_and_load(tmp_path, artifact):
+    path = artifact.save(tmp_path / "good.safetensors")
+    artifact.layers[1].v_rotation = artifact.layers[1].v_rotation * 1.01
+    with pytest.raises(ArtifactError, match="layers.1.v_rotation is not orthogonal"):
+        artifact.save(tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
+    # A file edited behind our back is caught at load.
+    tensors = {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    tensors["layers.0.k_rotation"] = tensors["layers.0.k_rotation"] * 2
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ArtifactError, match="layers.0.k_rotation is not orthogonal"):
+        RotationArtifact.load(path)
+
+
+def test_failed_save_leaves_no_file(tmp_path, artifact, monkeypatch):
+    import oscarkv.calibration.artifact as module
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(module, "save_file", boom)
+    with pytest.raises(OSError):
+        artifact.save(tmp_path / "rot.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_metadata_is_json_with_provenance(tmp_path, artifact):
+    from safetensors import safe_open
+
+    path = artifact.save(tmp_path / "rot.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["oscarkv"])
+    assert meta["format_version"] == FORMAT_VERSION
+    assert meta["model"]["head_dim"] == 32 and meta["clip_ratio_k"] == 0.96
+    assert "calibration" in meta

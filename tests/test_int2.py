@@ -1,0 +1,116 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oscarkv import CacheConfig, QuantConfig, cache_bits_per_element, dequantize_int2, quantize_int2
+from oscarkv.errors import OscarError
+from oscarkv.quant import clip_rows, int2_bits_per_element, pack_int2, unpack_int2
+
+dims = st.sampled_from([16, 32, 64, 128, 256])
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 7), d=dims, seed=st.integers(0, 2**31 - 1))
+def test_pack_unpack_roundtrip(rows, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 4, (rows, d), generator=g, dtype=torch.uint8)
+    packed = pack_int2(codes)
+    assert packed.shape == (rows, d // 4) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int2(packed), codes)
+
+
+def test_packing_is_quarter_planar():
+    codes = torch.zeros(16, dtype=torch.uint8)
+    codes[1], codes[1 + 4], codes[1 + 8], codes[1 + 12] = 1, 2, 3, 1
+    packed = pack_int2(codes)
+    assert packed[1].item() == 1 | (2 << 2) | (3 << 4) | (1 << 6)
+    assert packed[0].item() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=dims, group_log=st.integers(2, 8), scale=st.floats(1e-3, 1e3), offset=st.floats(-100, 100),
+       scale_dtype=st.sampled_from([torch.float16, torch.float32]), seed=st.integers(0, 2**31 - 1))
+def test_error_within_half_a_step(d, group_log, scale, offset, scale_dtype, seed):
+    group = 2**group_log
+    if group > d:
+        group = d
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 3, d, generator=g) * scale + offset
+    q = quantize_int2(x, group, 0.0, scale_dtype)
+    assert q.packed.shape == (5, 3, d // 4)
+    assert q.scale.shape == q.zero.shape == (5, 3, d // group)
+    assert q.scale.dtype == scale_dtype
+    x_hat = dequantize_int2(q)
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    step = q.scale.float().repeat_interleave(group, dim=-1)
+    # Codes are chosen against the stored (rounded) scale and zero; the only extra error is the
+    # rounding of zero itself in the storage dtype, and that of float32 arithmetic.
+    zero = q.zero.float().repeat_interleave(group, dim=-1)
+    zero_rounding = zero.abs() * (2.0 ** -10 if scale_dtype == torch.float16 else 2.0 ** -23)
+    lo = x.reshape(5, 3, d // group, group).amin(-1).repeat_interleave(group, -1)
+    hi = x.reshape(5, 3, d // group, group).amax(-1).repeat_interleave(group, -1)
+    tol = step * (0.5 + zero_rounding) + 1e-5 * (x.abs() + step) + 2e-3 * (hi - lo)
+    assert torch.all((x_hat - x).abs() <= tol)
+
+
+def test_constant_groups_are_exact_enough():
+    x = torch.full((2, 64), 3.25)
+    assert torch.allclose(dequantize_int2(quantize_int2(x, 64)), x, atol=1e-3)
+
+
+def test_clip_uses_rank_floor_c_d():
+    x = torch.arange(1.0, 65.0)[None]  # |x| = 1..64
+    clipped = clip_rows(x, 0.96)  # floor(0.96 * 64) = 61 -> 62nd smallest = 62
+    assert clipped.max().item() == 62.0 and clipped.min().item() == 1.0
+    assert torch.equal(clip_rows(x, 0.0), x)
+    assert clip_rows(-x, 0.5).min().item() == -33.0  # floor(32) -> 33rd smallest
+
+
+def test_clip_ratio_applies_before_quantization():
+    torch.manual_seed(0)
+    x = torch.randn(100, 64)
+    x[:, 0] = 50.0  # one outlier channel per row
+    plain = (dequantize_int2(quantize_int2(x, 64)) - x)[:, 1:].abs().mean()
+    clipped = (dequantize_int2(quantize_int2(x, 64, clip_ratio=0.96)) - x)[:, 1:].abs().mean()
+    assert clipped < plain / 3
+
+
+@pytest.mark.parametrize("d,group", [(64, 48), (64, 128), (30, 30)])
+def test_bad_shapes_raise(d, group):
+    with pytest.raises(OscarError, match="group_size|head_dim"):
+        quantize_int2(torch.randn(2, d), group)
+
+
+def test_integer_input_rejected():
+    with pytest.raises(OscarError, match="floating-point"):
+        quantize_int2(torch.ones(2, 64, dtype=torch.int32), 64)
+
+
+def test_empty_input():
+    q = quantize_int2(torch.randn(0, 64), 64, clip_ratio=0.96)
+    assert dequantize_int2(q).shape == (0, 64)
+
+
+def test_bits_per_element_matches_the_paper():
+    assert int2_bits_per_element(128) == 2.25
+    assert int2_bits_per_element(64) == 2.5
+    bpe = cache_bits_per_element(131072, CacheConfig(), QuantConfig(group_size=128))
+    expected = (320 * 16 + (131072 - 320) * 2.25) / 131072
+    assert math.isclose(bpe, expected) and 2.28 < bpe < 2.29
+    assert cache_bits_per_element(100, CacheConfig(), QuantConfig()) == 16.0
+    assert cache_bits_per_element(1000, CacheConfig(quantize_history=False), QuantConfig()) == 16.0
+
+
+def test_nbytes_counts_codes_scales_and_zeros():
+    q = quantize_int2(torch.randn(10, 128), 64)
+    assert q.nbytes() == 10 * (128 // 4) + 10 * 2 * 2 * 2
+
+
+@pytest.mark.parametrize("kwargs", [dict(group_size=48), dict(group_size=2), dict(clip_ratio_k=1.5),
+                                    dict(scale_dtype=torch.bfloat16)])
+def test_quant_config_validates(kwargs):
+    with pytest.raises(OscarError):
+        QuantConfig(**kwargs)

@@ -1,0 +1,43 @@
+"""Tiny random models of every supported family (built from configs; nothing downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+
+
+def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtype=torch.float32, seed: int = 0):
+    """A 2-4 layer model of `family` with random weights; bias_scale adds large k/v biases (Qwen2)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512)
+    if family == "llama":
+        config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif family == "mistral":
+        config, cls = tf.MistralConfig(**common, sliding_window=None), tf.MistralForCausalLM
+    elif family == "qwen2":
+        config, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif family == "qwen3":
+        config, cls = tf.Qwen3Config(**common), tf.Qwen3ForCausalLM
+    elif family == "gemma3":
+        common.update(num_hidden_layers=4, num_key_value_heads=1)
+        config = tf.Gemma3TextConfig(**common, sliding_window=24,
+                                     layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                  "sliding_attention"])
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(family)
+    config._attn_implementation = "sdpa"
+    model = cls(config).to(dtype).eval()
+    if bias_scale:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.bias.add_(bias_scale * torch.randn_like(layer.self_attn.k_proj.bias))
+                layer.self_attn.v_proj.bias.add_(bias_scale * torch.randn_like(layer.self_attn.v_proj.bias))
+    return model
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
