@@ -28,8 +28,12 @@ def patch(model, rotations=None, method: str = "oscar", quant: QuantConfig | Non
 
     artifact = RotationArtifact.load(rotations) if isinstance(rotations, (str, bytes)) or hasattr(
         rotations, "__fspath__") else rotations
-    if quant is None:
-        quant = QuantConfig(artifact.group_size, artifact.clip_ratio_k, artifact.clip_ratio_v) if artifact else QuantConfig()
+    if quant is None and artifact is not None:
+        quant = QuantConfig(artifact.group_size, artifact.clip_ratio_k, artifact.clip_ratio_v)
+    elif quant is None:
+        from .models import attention_shape
+
+        quant = QuantConfig.for_head_dim(attention_shape(model).head_dim)
     setup = method_setup(method, model, quant, cache or CacheConfig(), artifact)
     return patch_model(model, setup.artifact, setup.quant, setup.cache)
 

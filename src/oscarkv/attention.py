@@ -72,6 +72,23 @@ def precision_masks(layer: OscarLayer, query_slots: torch.Tensor, slots: torch.T
     return visible & (quantized == lo[None, None, :])
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float,
+            softcap: float | None) -> torch.Tensor:
+    """q: [B, Hkv, g, C, D]; k, v: [B, Hkv, E, D]; allowed: [B, C, E] -> [B, Hkv, g, C, D]."""
+    b, hkv, g, c, d = q.shape
+    if softcap:
+        scores = torch.einsum("bhgcd,bhed->bhgce", q, k) * scaling
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+        probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+        return torch.einsum("bhgce,bhed->bhgcd", probs, v)
+    mask = allowed[:, None, None].expand(b, 1, g, c, allowed.shape[-1]).reshape(b, 1, g * c, allowed.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, hkv, g * c, d), k, v, attn_mask=mask,
+                                                           scale=scaling)
+    # A query with nothing visible (a padding slot) gets zeros instead of NaN.
+    return torch.nan_to_num(out, nan=0.0).reshape(b, hkv, g, c, d)
+
+
 def oscar_attention_reference(layer: OscarLayer, query: torch.Tensor, scaling: float,
                               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """query: [B, Hq, C, D] (already rotated by R_K), the C newest slots of `layer`.
@@ -103,12 +120,6 @@ def oscar_attention_reference(layer: OscarLayer, query: torch.Tensor, scaling: f
         index = needed.nonzero().squeeze(1)
         query_slots = torch.arange(t_first, t_last + 1, device=query.device)
         allowed = precision_masks(layer, query_slots, slot[index], lo[index], sliding_window)  # [B, Cb, E']
-        scores = torch.einsum("bhgcd,bhed->bhgce", q[:, :, :, start:stop], k[:, :, index]) * scaling
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        # A query with nothing visible (a padding slot) gets zeros instead of NaN.
-        probs = torch.nan_to_num(probs, nan=0.0)
-        out[:, :, :, start:stop] = torch.einsum("bhgce,bhed->bhgcd", probs, v[:, :, index])
+        out[:, :, :, start:stop] = _attend(q[:, :, :, start:stop], k[:, :, index], v[:, :, index], allowed, scaling,
+                                           softcap)
     return out.reshape(b, hq, c, d).transpose(1, 2).to(query.dtype)

@@ -14,18 +14,18 @@ DEMO_TEXT_CALIBRATION = "wiki"
 DEMO_TEXT_EVALUATION = "news"
 
 
-def _add_quant_args(parser: argparse.ArgumentParser, group_default: int | None) -> None:
-    parser.add_argument("--group-size", type=int, default=group_default,
-                        help="channels per INT2 scale/zero group (default: %(default)s)")
+def _add_quant_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="channels per INT2 scale/zero group (default: the artifact's, else min(128, head_dim))")
     parser.add_argument("--clip-k", type=float, default=None, help="key clip ratio (default 0.96; 0 disables)")
     parser.add_argument("--clip-v", type=float, default=None, help="value clip ratio (default 0.92; 0 disables)")
 
 
-def _quant_config(args, artifact=None):
+def _quant_config(args, head_dim: int, artifact=None):
     from .config import QuantConfig
 
-    base = QuantConfig() if artifact is None else QuantConfig(artifact.group_size, artifact.clip_ratio_k,
-                                                               artifact.clip_ratio_v)
+    base = QuantConfig.for_head_dim(head_dim) if artifact is None else QuantConfig(
+        artifact.group_size, artifact.clip_ratio_k, artifact.clip_ratio_v)
     return QuantConfig(
         group_size=args.group_size or base.group_size,
         clip_ratio_k=base.clip_ratio_k if args.clip_k is None else args.clip_k,
@@ -44,11 +44,11 @@ def _tokens(tokenizer, sources: list[str]):
 
 def cmd_calibrate(args) -> int:
     from .calibration.calibrate import CalibrationConfig, calibrate
-    from .models import load_model
+    from .models import attention_shape, load_model
 
     started = time.time()
     model, tokenizer = load_model(args.model, device=args.device)
-    quant = _quant_config(args)
+    quant = _quant_config(args, attention_shape(model).head_dim)
     config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks)
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text)
     path = artifact.save(args.out)
@@ -64,12 +64,12 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.ppl import check_context, evaluate_methods
-    from .models import load_model
+    from .models import attention_shape, load_model
 
     artifact = RotationArtifact.load(rotations) if rotations else None
     model, tokenizer = load_model(model_name, device=device)
     check_context(model, context)
-    quant = _quant_config(quant_args, artifact)
+    quant = _quant_config(quant_args, attention_shape(model).head_dim, artifact)
     results = evaluate_methods(model, _tokens(tokenizer, text), methods, quant, CacheConfig(), context,
                                max_tokens, artifact)
     reference = next((r.ppl for r in results if r.method == "bf16"), None)
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--max-chunks", type=int, default=16, help="chunks used after the skipped warm-up chunk")
     p.add_argument("--device", default=None)
-    _add_quant_args(p, 128)
+    _add_quant_args(p)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("eval", help="accuracy evaluations")
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="one JSON object per method per line")
     e.add_argument("--plot", default=None, help="write a PNG bar chart here")
     e.add_argument("--device", default=None)
-    _add_quant_args(e, None)
+    _add_quant_args(e)
     e.set_defaults(func=cmd_eval_ppl)
 
     p = sub.add_parser("demo", help="calibrate + evaluate the embedded model (a few minutes on a CPU)")

@@ -42,6 +42,12 @@ class QuantConfig:
         if self.scale_dtype not in SCALE_DTYPES:
             raise OscarError(f"scale_dtype={self.scale_dtype} must be torch.float16 or torch.float32.")
 
+    @classmethod
+    def for_head_dim(cls, head_dim: int, **overrides) -> QuantConfig:
+        """The defaults, with the group size capped at head_dim (e.g. 64 for SmolLM2)."""
+        overrides.setdefault("group_size", min(cls.group_size, head_dim))
+        return cls(**overrides)
+
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.group_size:
             raise OscarError(

@@ -22,6 +22,7 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 def plot_ppl(rows: list[dict], path: str | Path, title: str) -> Path:
     """Bar chart of perplexity relative to BF16 per method, with bits per element in the labels."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -32,6 +33,8 @@ def plot_ppl(rows: list[dict], path: str | Path, title: str) -> Path:
     values = [r["ppl_ratio"] for r in rows]
     bars = ax.bar(labels, values, color=["#888" if r["method"] == "bf16" else "#3a7" for r in rows])
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylabel("perplexity / BF16 perplexity")
     ax.axhline(1.0, color="k", lw=0.8)
     for bar, value in zip(bars, values):

@@ -54,7 +54,7 @@ def _run(model, chunks: list[torch.Tensor], collector: Collector, progress: tqdm
     device = next(model.parameters()).device
     with torch.no_grad(), collecting(model, collector):
         for chunk in chunks:
-            model(chunk[None].to(device), use_cache=False)
+            model(chunk[None].to(device), use_cache=False, logits_to_keep=1)  # statistics only: skip the LM head
             progress.update(1)
 
 

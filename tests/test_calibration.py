@@ -1,0 +1,128 @@
+"""Calibration on tiny models: statistics, methods, artifacts and the bad-input errors."""
+
+import math
+
+import pytest
+import torch
+
+from oscarkv import QuantConfig
+from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
+from oscarkv.calibration.collect import Collector, collecting
+from oscarkv.calibration.rotations import orthogonality_error
+from oscarkv.errors import CalibrationError, OscarError, UnsupportedModelError
+from tiny_models import VOCAB, tiny_model
+
+CONFIG = CalibrationConfig(chunk_tokens=32, max_chunks=3)
+QUANT = QuantConfig(group_size=16)
+
+
+def _tokens(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_query_covariance_pools_gqa_groups_after_rope():
+    model = tiny_model("llama")
+    seen = {}
+
+    def spy(module, q, k, v, mask, **kw):
+        seen.setdefault(module.layer_idx, []).append(q.detach().double())
+
+    collector = Collector()
+    original = collector.observe
+
+    def observe(layer, q, k, v, valid):
+        seen.setdefault(layer, []).append(q.double())
+        original(layer, q, k, v, valid)
+
+    collector.observe = observe
+    ids = _tokens(24)[None]
+    with torch.no_grad(), collecting(model, collector):
+        model(ids, use_cache=False)
+    q = seen[0][0][0]  # [Hq, T, d], after RoPE
+    stats = collector.stats[0]
+    group = 2  # 4 query heads over 2 KV heads
+    for h in range(2):
+        qs = q[h * group : (h + 1) * group].reshape(-1, q.shape[-1])
+        assert torch.allclose(stats.qq[h], qs.T @ qs)
+    assert stats.queries == 24 * group
+
+
+def test_collecting_restores_the_attention_implementation():
+    model = tiny_model("llama")
+    with collecting(model, Collector()):
+        assert model.config._attn_implementation == "oscar_calibrate"
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("method", ["oscar", "ktk", "vtv"])
+def test_calibrated_rotations_are_orthogonal_and_recorded(method):
+    model = tiny_model("qwen3")
+    artifact = calibrate(model, _tokens(200), QUANT, CalibrationConfig(method=method, chunk_tokens=32, max_chunks=3),
+                         sources=["random"], show_progress=False)
+    assert artifact.method == method
+    assert artifact.calibration["tokens"] == 96 and artifact.calibration["warmup_chunks_skipped"] == 1
+    for layer in artifact.layers:
+        assert orthogonality_error(layer.k_rotation) < 1e-5
+        assert orthogonality_error(layer.v_rotation) < 1e-5
+        assert torch.all(layer.k_eigenvalues[:-1] >= layer.k_eigenvalues[1:])
+
+
+def test_oscar_key_rotation_diagonalises_the_query_covariance():
+    model = tiny_model("llama")
+    tokens = _tokens(200)
+    artifact = calibrate(model, tokens, QUANT, CONFIG, show_progress=False)
+    # Recompute C_Q on the same chunks; R_K = U·H·P, so U = R_K·Pᵀ·H and UᵀC_QU is diagonal.
+    collector = Collector()
+    with torch.no_grad(), collecting(model, collector):
+        for i in range(1, 4):
+            model(tokens[i * 32 : (i + 1) * 32][None], use_cache=False)
+    from oscarkv.calibration.rotations import bit_reversal_permutation, hadamard
+
+    layer = artifact.layers[0]
+    c_q = collector.stats[0].query_covariance().mean(0)
+    p = bit_reversal_permutation(layer.k_eigenvalues)
+    u = layer.k_rotation.double() @ p.T @ hadamard(32)
+    diagonal = u.T @ c_q @ u
+    off = diagonal - torch.diag(torch.diagonal(diagonal))
+    assert off.abs().max() < 1e-4 * diagonal.abs().max()
+    assert torch.allclose(torch.diagonal(diagonal), layer.k_eigenvalues.double(), rtol=1e-3, atol=1e-6)
+
+
+def test_data_free_methods_need_no_text():
+    model = tiny_model("llama")
+    artifact = calibrate(model, _tokens(0), QUANT, CalibrationConfig(method="hadamard"), show_progress=False)
+    assert torch.allclose(artifact.layers[0].k_rotation.abs(), torch.full((32, 32), 32**-0.5))
+
+
+def test_too_little_text_names_the_fix():
+    with pytest.raises(CalibrationError, match="warm-up chunk is skipped.*more text"):
+        calibrate(tiny_model("llama"), _tokens(70), QUANT, CONFIG, show_progress=False)
+    with pytest.raises(CalibrationError, match="0 tokens"):
+        calibrate(tiny_model("llama"), _tokens(0), QUANT, CONFIG, show_progress=False)
+
+
+def test_non_finite_activations_are_reported_with_the_layer():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = math.inf
+    with pytest.raises(CalibrationError, match="non-finite keys in layer 1"):
+        calibrate(model, _tokens(200), QUANT, CONFIG, show_progress=False)
+
+
+def test_head_dim_not_a_power_of_two_is_refused():
+    model = tiny_model("llama", head_dim=24)
+    with pytest.raises(UnsupportedModelError, match="head_dim=24 is not a power of two"):
+        calibrate(model, _tokens(200), QuantConfig(group_size=8), CONFIG, show_progress=False)
+
+
+def test_group_size_must_divide_head_dim():
+    with pytest.raises(OscarError, match="does not divide head_dim=32"):
+        calibrate(tiny_model("llama"), _tokens(200), QuantConfig(group_size=64), CONFIG, show_progress=False)
+
+
+def test_patched_model_cannot_be_calibrated_again():
+    import oscarkv
+
+    model = oscarkv.patch(tiny_model("llama"), method="naive", quant=QUANT)
+    with pytest.raises(OscarError, match="freshly loaded"):
+        calibrate(model, _tokens(200), QUANT, CONFIG, show_progress=False)
