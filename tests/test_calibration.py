@@ -24,15 +24,12 @@ def test_query_covariance_pools_gqa_groups_after_rope():
     model = tiny_model("llama")
     seen = {}
 
-    def spy(module, q, k, v, mask, **kw):
-        seen.setdefault(module.layer_idx, []).append(q.detach().double())
-
     collector = Collector()
     original = collector.observe
 
-    def observe(layer, q, k, v, valid):
+    def observe(layer, q, k, v):
         seen.setdefault(layer, []).append(q.double())
-        original(layer, q, k, v, valid)
+        original(layer, q, k, v)
 
     collector.observe = observe
     ids = _tokens(24)[None]
@@ -54,7 +51,7 @@ def test_collecting_restores_the_attention_implementation():
     assert model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("method", ["oscar", "ktk", "vtv"])
+@pytest.mark.parametrize("method", ["oscar", "oscar-paper", "ktk", "vtv"])
 def test_calibrated_rotations_are_orthogonal_and_recorded(method):
     model = tiny_model("qwen3")
     artifact = calibrate(model, _tokens(200), QUANT, CalibrationConfig(method=method, chunk_tokens=32, max_chunks=3),
@@ -70,7 +67,8 @@ def test_calibrated_rotations_are_orthogonal_and_recorded(method):
 def test_oscar_key_rotation_diagonalises_the_query_covariance():
     model = tiny_model("llama")
     tokens = _tokens(200)
-    artifact = calibrate(model, tokens, QUANT, CONFIG, show_progress=False)
+    artifact = calibrate(model, tokens, QUANT, CalibrationConfig(method="oscar-paper", chunk_tokens=32, max_chunks=3),
+                         show_progress=False)
     # Recompute C_Q on the same chunks; R_K = U·H·P, so U = R_K·Pᵀ·H and UᵀC_QU is diagonal.
     collector = Collector()
     with torch.no_grad(), collecting(model, collector):

@@ -7,8 +7,15 @@ import torch
 VOCAB = 128
 
 
-def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtype=torch.float32, seed: int = 0):
-    """A 2-4 layer model of `family` with random weights; bias_scale adds large k/v biases (Qwen2)."""
+def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtype=torch.float32, seed: int = 0,
+               attention_scale: float = 1.0, value_scale: float = 1.0):
+    """A 2-4 layer model of `family` with random weights.
+
+    bias_scale: adds Qwen2-like k/v biases: a large offset on a few channels of every KV head
+    (real QKV-bias models concentrate their offset that way), plus small noise elsewhere.
+    attention_scale: multiplies q/k weights, so that attention is peaked as in trained models.
+    value_scale: multiplies v/o weights, so that attention outputs matter in the residual stream.
+    """
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -32,11 +39,19 @@ def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtyp
         raise ValueError(family)
     config._attn_implementation = "sdpa"
     model = cls(config).to(dtype).eval()
-    if bias_scale:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.k_proj.bias.add_(bias_scale * torch.randn_like(layer.self_attn.k_proj.bias))
-                layer.self_attn.v_proj.bias.add_(bias_scale * torch.randn_like(layer.self_attn.v_proj.bias))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.q_proj.weight.mul_(attention_scale)
+            attn.k_proj.weight.mul_(attention_scale)
+            attn.v_proj.weight.mul_(value_scale)
+            attn.o_proj.weight.mul_(value_scale / max(1.0, bias_scale / 10))
+            if bias_scale:
+                for proj in (attn.k_proj, attn.v_proj):
+                    offset = 0.1 * bias_scale * torch.randn_like(proj.bias)
+                    heads = offset.view(-1, head_dim)
+                    heads[:, :3] += bias_scale * torch.sign(torch.randn(heads.shape[0], 3))
+                    proj.bias.add_(offset)
     return model
 
 

@@ -49,8 +49,11 @@ def cmd_calibrate(args) -> int:
     started = time.time()
     model, tokenizer = load_model(args.model, device=args.device)
     quant = _quant_config(args, attention_shape(model).head_dim)
-    config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks)
+    config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
+                               max_bits=args.max_bits, budget_context=args.budget_context)
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text)
+    if artifact.method == "oscar":
+        print_calibration_report(artifact)
     path = artifact.save(args.out)
     info = artifact.calibration
     print(f"wrote {path}: method {artifact.method}, {artifact.model.num_layers} layers, head_dim "
@@ -59,8 +62,38 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def print_calibration_report(artifact) -> None:
+    """Per-layer table of the choices and predicted errors, the budget, and warnings."""
+    from .calibration.calibrate import HIGH_ERROR
+    from .calibration.selection import predicted_error
+    from .report import format_table
+
+    rows = []
+    for i, layer in enumerate(artifact.layers):
+        c = layer.choice
+        rows.append({
+            "layer": str(i), "k": f"{c['k_transform']}@{c['clip_k']:g}", "v": f"{c['v_transform']}@{c['clip_v']:g}",
+            "bits": c["bits"], "error": predicted_error(c), "int2": c["error_k"] + c["error_v"],
+            "int4": c["error_k_int4"] + c["error_v_int4"],
+            "paper": (c["paper_error_k"] or 0.0) + (c["paper_error_v"] or 0.0),
+        })
+    print("\nper-layer choice (errors: relative squared error of the attention output on held-apart tokens)")
+    print(format_table(rows, [("layer", "layer", "s"), ("k", "K transform@clip", "s"), ("v", "V transform@clip", "s"),
+                              ("bits", "bits", "d"), ("error", "error", ".2e"), ("int2", "INT2", ".2e"),
+                              ("int4", "INT4", ".2e"), ("paper", "paper", ".2e")]))
+    budget = artifact.calibration["budget"]
+    print(f"bits per element at {budget['context']} tokens: {budget['bits_per_element']:.3f} (pure INT2 "
+          f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 layers: "
+          f"{budget['int4_layers'] or 'none'}")
+    high = [str(i) for i, layer in enumerate(artifact.layers) if predicted_error(layer.choice) > HIGH_ERROR]
+    if high:
+        print(f"warning: layers {', '.join(high)} keep a predicted attention error above {HIGH_ERROR:g} within this "
+              "budget; raise --max-bits to move them to INT4.", file=sys.stderr)
+
+
 def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: list[str], context: int,
-            max_tokens: int | None, quant_args, device: str | None, as_json: bool, plot: str | None) -> list[dict]:
+            max_tokens: int | None, quant_args, device: str | None, as_json: bool, plot: str | None,
+            max_bits: float | None = None) -> list[dict]:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.ppl import check_context, evaluate_methods
@@ -70,6 +103,11 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     model, tokenizer = load_model(model_name, device=device)
     check_context(model, context)
     quant = _quant_config(quant_args, attention_shape(model).head_dim, artifact)
+    if max_bits is not None and artifact is not None:
+        from .calibration.selection import apply_budget
+
+        apply_budget(artifact, attention_shape(model), CacheConfig(), max_bits,
+                     artifact.calibration.get("budget", {}).get("context", 32768))
     results = evaluate_methods(model, _tokens(tokenizer, text), methods, quant, CacheConfig(), context,
                                max_tokens, artifact)
     reference = next((r.ppl for r in results if r.method == "bf16"), None)
@@ -99,7 +137,7 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
 def cmd_eval_ppl(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     run_ppl(args.model, methods, args.rotations, args.text, args.context, args.max_tokens, args, args.device,
-            args.json, args.plot)
+            args.json, args.plot, args.max_bits)
     return 0
 
 
@@ -111,10 +149,12 @@ def cmd_demo(args) -> int:
     print(f"oscarkv demo: {args.model}, calibrate on '{DEMO_TEXT_CALIBRATION}', evaluate on '{DEMO_TEXT_EVALUATION}'")
     calibrate_args = argparse.Namespace(model=args.model, device=args.device, method="oscar", text=[DEMO_TEXT_CALIBRATION],
                                         chunk_tokens=1024, max_chunks=args.calibration_chunks, out=str(rotations),
-                                        group_size=args.group_size, clip_k=None, clip_v=None)
+                                        group_size=args.group_size, clip_k=None, clip_v=None, max_bits=0,
+                                        budget_context=32768)
     cmd_calibrate(calibrate_args)
     quant_args = argparse.Namespace(group_size=args.group_size, clip_k=None, clip_v=None)
-    run_ppl(args.model, ["bf16", "oscar", "naive", "hadamard"], str(rotations), [DEMO_TEXT_EVALUATION], args.context,
+    run_ppl(args.model, ["bf16", "oscar", "oscar-paper", "naive", "hadamard"], str(rotations), [DEMO_TEXT_EVALUATION],
+            args.context,
             args.max_tokens, quant_args, args.device, False, str(out / "demo_ppl.png"))
     print(f"\nWhat the numbers mean: ppl is the perplexity of the held-out news text with the KV history stored by "
           f"each method; '÷ bf16' is its ratio to the BF16 cache (1.000 = no loss); bits/elt is the measured "
@@ -141,7 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", nargs="+", default=[DEMO_TEXT_CALIBRATION],
                    help="text files or built-in texts (wiki, news); default: wiki")
     p.add_argument("--out", required=True, help="output .safetensors artifact")
-    p.add_argument("--method", default="oscar", choices=["oscar", "ktk", "vtv", "hadamard", "identity"])
+    p.add_argument("--method", default="oscar", choices=["oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity"])
+    p.add_argument("--max-bits", type=float, default=None,
+                   help="bits per element allowed (default: pure INT2 + 0.25, letting the worst layers use INT4; "
+                        "0 = pure INT2)")
+    p.add_argument("--budget-context", type=int, default=32768, help="context at which the budget is counted")
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--max-chunks", type=int, default=16, help="chunks used after the skipped warm-up chunk")
     p.add_argument("--device", default=None)
@@ -153,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = eval_sub.add_parser("ppl", help="perplexity per method on the same text and positions")
     e.add_argument("model")
     e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
-    e.add_argument("--methods", default="bf16,oscar,naive,hadamard")
+    e.add_argument("--methods", default="bf16,oscar,oscar-paper,naive,hadamard")
+    e.add_argument("--max-bits", type=float, default=None,
+                   help="re-apply a bit budget to the artifact's per-layer errors (0 = pure INT2)")
     e.add_argument("--text", nargs="+", default=[DEMO_TEXT_EVALUATION])
     e.add_argument("--context", type=int, default=2048)
     e.add_argument("--max-tokens", type=int, default=None, help="stop after scoring about this many tokens")

@@ -16,10 +16,11 @@ from .config import CacheConfig, QuantConfig
 from .errors import OscarError
 from .models import attention_shape, model_identity
 
-METHODS = ("bf16", "oscar", "naive", "hadamard")
+METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard")
 DESCRIPTIONS = {
     "bf16": "BF16 cache everywhere (the reference)",
-    "oscar": "OSCAR rotations from the artifact, INT2 history",
+    "oscar": "the artifact as calibrated: centering, per-layer transform and clip, INT4 fallback layers",
+    "oscar-paper": "SPEC §1-§4 exactly: paper rotations, no centering, INT2 everywhere",
     "naive": "no rotation, INT2 history",
     "hadamard": "Walsh-Hadamard rotation of K and V (QuaRot-style), INT2 history",
 }
@@ -59,9 +60,9 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
         return MethodSetup(name, data_free_artifact(model, "identity", quant), quant, cache)
     if name == "hadamard":
         return MethodSetup(name, data_free_artifact(model, "hadamard", quant), quant, cache)
-    if name == "oscar":
+    if name in ("oscar", "oscar-paper"):
         if artifact is None:
-            raise OscarError("method 'oscar' needs a rotations artifact: pass --rotations FILE "
+            raise OscarError(f"method {name!r} needs a rotations artifact: pass --rotations FILE "
                              "(make one with `oscarkv calibrate MODEL --out FILE`).")
-        return MethodSetup(name, artifact, quant, cache)
+        return MethodSetup(name, artifact if name == "oscar" else artifact.paper_variant(), quant, cache)
     raise OscarError(f"unknown method {name!r}; choose from {', '.join(METHODS)}.")

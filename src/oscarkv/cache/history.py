@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.int2 import Int2Tensor, dequantize_int2, quantize_int2
+from ..quant.format import QuantizedTensor, dequantize, quantize
 
 
 class _Growable:
@@ -61,13 +61,14 @@ class _Growable:
 class HistoryStore:
     """The history of one tensor stream (keys or values) of one layer.
 
-    quantize=True stores INT2 codes and scales; False stores `plain_dtype` tensors (the
-    BF16 baseline and the no-quantization equivalence checks use this).
+    quantize=True stores `bits`-bit codes (2, or 4 for a fallback layer) and scales; False
+    stores `plain_dtype` tensors (the BF16 baseline and the no-quantization checks use this).
     """
 
     def __init__(self, quantize: bool, group_size: int, clip_ratio: float, scale_dtype: torch.dtype,
-                 plain_dtype: torch.dtype) -> None:
+                 plain_dtype: torch.dtype, bits: int = 2) -> None:
         self.quantize = quantize
+        self.bits = bits
         self.group_size = group_size
         self.clip_ratio = clip_ratio
         self.scale_dtype = scale_dtype
@@ -78,14 +79,14 @@ class HistoryStore:
     def length(self) -> int:
         return self.parts[0].length
 
-    def encode(self, x: torch.Tensor) -> Int2Tensor | torch.Tensor:
+    def encode(self, x: torch.Tensor) -> QuantizedTensor | torch.Tensor:
         if not self.quantize:
             return x.to(self.plain_dtype)
-        return quantize_int2(x, self.group_size, self.clip_ratio, self.scale_dtype)
+        return quantize(x, self.bits, self.group_size, self.clip_ratio, self.scale_dtype)
 
-    def decode(self, stored: Int2Tensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if isinstance(stored, Int2Tensor):
-            return dequantize_int2(stored, dtype)
+    def decode(self, stored: QuantizedTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(stored, QuantizedTensor):
+            return dequantize(stored, dtype)
         return stored.to(dtype)
 
     def roundtrip(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -95,17 +96,17 @@ class HistoryStore:
     def append(self, x: torch.Tensor) -> None:
         """x: [B, H, n, D] -> stored at the end of the history."""
         stored = self.encode(x)
-        if isinstance(stored, Int2Tensor):
+        if isinstance(stored, QuantizedTensor):
             for part, tensor in zip(self.parts, (stored.packed, stored.scale, stored.zero)):
                 part.append(tensor)
         else:
             self.parts[0].append(stored)
 
-    def stored(self) -> Int2Tensor | torch.Tensor:
+    def stored(self) -> QuantizedTensor | torch.Tensor:
         if not self.quantize:
             return self.parts[0].view()
         packed, scale, zero = (part.view() for part in self.parts)
-        return Int2Tensor(packed, scale, zero, self.group_size, self.plain_dtype)
+        return QuantizedTensor(packed, scale, zero, self.group_size, self.plain_dtype, self.bits)
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole history dequantized to `dtype` (a temporary for the reference read path)."""

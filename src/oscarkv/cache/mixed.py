@@ -31,8 +31,10 @@ class LayerSpec:
     """What the write path of one layer needs."""
 
     k_rotation: torch.Tensor | None  # [d, d] float32, None = identity
-    quant: QuantConfig
+    quant: QuantConfig  # group size, this layer's clip ratios, scale dtype
     sliding_window: int | None = None
+    k_mean: torch.Tensor | None = None  # [Hkv, d]: subtracted from every key before R_K (SPEC §6)
+    bits: int = 2  # history code width: 2, or 4 on a fallback layer
 
 
 class OscarLayer(DynamicLayer):
@@ -52,9 +54,9 @@ class OscarLayer(DynamicLayer):
         store_dtype = self.config.window_dtype
         quant = self.spec.quant
         self.history_k = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_k,
-                                      quant.scale_dtype, store_dtype)
+                                      quant.scale_dtype, store_dtype, self.spec.bits)
         self.history_v = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_v,
-                                      quant.scale_dtype, store_dtype)
+                                      quant.scale_dtype, store_dtype, self.spec.bits)
         empty = key_states[:, :, :0].to(store_dtype)
         self.sink_k, self.sink_v = empty, empty.clone()
         self.tail_k, self.tail_v = empty.clone(), empty.clone()
@@ -66,6 +68,10 @@ class OscarLayer(DynamicLayer):
             self.k_rotation = self.spec.k_rotation.to(device=self.device, dtype=torch.float32)
         else:
             self.k_rotation = None
+        if self.spec.k_mean is not None:
+            self.k_mean = self.spec.k_mean.to(device=self.device, dtype=torch.float32)[None, :, None, :]
+        else:
+            self.k_mean = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -73,7 +79,7 @@ class OscarLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.flush()
-        keys = self.rotate_keys(key_states).to(self.config.window_dtype)
+        keys = self.write_keys(key_states).to(self.config.window_dtype)
         values = value_states.to(self.config.window_dtype)
         room = max(0, self.sink_capacity - self.sink_k.shape[2])
         if room:
@@ -123,12 +129,22 @@ class OscarLayer(DynamicLayer):
         self.pad = fn(self.pad)
 
     # -- write path -------------------------------------------------------------------------
-    def rotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """k @ R_K in at least float32 (keys: [B, H, n, D])."""
+    def write_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """(k - μ_K) @ R_K in at least float32 (keys: [B, H_kv, n, D]), for every key alike.
+
+        Centering shifts each score of a query by the same q·μ_K, which softmax ignores.
+        """
+        if self.k_mean is not None:
+            dtype = torch.promote_types(keys.dtype, torch.float32)
+            keys = keys.to(dtype) - self.k_mean.to(dtype)
+        return self.rotate(keys)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ R_K in at least float32 (queries: [B, H_q, n, D]; keys after centering)."""
         if self.k_rotation is None:
-            return keys
-        dtype = torch.promote_types(keys.dtype, torch.float32)
-        return keys.to(dtype) @ self.k_rotation.to(dtype)
+            return x
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return x.to(dtype) @ self.k_rotation.to(dtype)
 
     def flush(self) -> None:
         """Move tokens that left the recent window into the INT2 history."""

@@ -1,13 +1,16 @@
 """The rotations artifact: safetensors tensors plus a JSON metadata header.
 
 Tensors (float32), per layer i:
-    layers.{i}.k_rotation   [d, d]   R_K
-    layers.{i}.v_rotation   [d, d]   R_V
-    layers.{i}.k_eigenvalues [d]     spectrum behind R_K (descending; ones for data-free methods)
-    layers.{i}.v_eigenvalues [d]
+    layers.{i}.k_rotation   [d, d]   R_K used at run time
+    layers.{i}.v_rotation   [d, d]   R_V used at run time
+    layers.{i}.k_eigenvalues [d]     spectrum of C_Q (descending; ones for data-free methods)
+    layers.{i}.v_eigenvalues [d]     spectrum of C_S
+    layers.{i}.k_mean [Hkv, d], layers.{i}.v_mean [Hkv, d]        centering (SPEC §6), if centered
+    layers.{i}.paper_k_rotation, layers.{i}.paper_v_rotation     SPEC §1 rotations, kept for comparison
 
 Metadata key "oscarkv" holds JSON: format version, method, model identity, quantization
-settings and calibration provenance. Loading checks all of it; nothing is unpickled.
+settings, calibration provenance, and per layer the chosen transform, clip ratios, bits
+and predicted attention-output errors. Loading checks all of it; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import ArtifactError
 from .rotations import check_orthogonal
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: centering means, per-layer choices and bits (1: rotations only)
 METADATA_KEY = "oscarkv"
 SIGNATURE_RTOL = 2e-2  # weight norms agree to this between a bf16 and an fp32 load of one model
 
@@ -59,12 +62,25 @@ class ModelIdentity:
         return None
 
 
+OPTIONAL_TENSORS = ("k_mean", "v_mean", "paper_k_rotation", "paper_v_rotation")
+
+
 @dataclass
 class LayerRotation:
     k_rotation: torch.Tensor  # [d, d]
     v_rotation: torch.Tensor  # [d, d]
     k_eigenvalues: torch.Tensor  # [d]
     v_eigenvalues: torch.Tensor  # [d]
+    k_mean: torch.Tensor | None = None  # [Hkv, d], subtracted from every key before R_K
+    v_mean: torch.Tensor | None = None  # [Hkv, d], folded into the v_proj / o_proj biases
+    paper_k_rotation: torch.Tensor | None = None
+    paper_v_rotation: torch.Tensor | None = None
+    # k_transform, v_transform, clip_k, clip_v, bits, and predicted errors (see calibration.selection)
+    choice: dict = field(default_factory=dict)
+
+    @property
+    def bits(self) -> int:
+        return int(self.choice.get("bits", 2))
 
 
 @dataclass
@@ -77,8 +93,12 @@ class RotationArtifact:
     group_size: int
     clip_ratio_k: float
     clip_ratio_v: float
-    calibration: dict = field(default_factory=dict)  # tokens, sources, chunks...
+    calibration: dict = field(default_factory=dict)  # tokens, sources, chunks, budget...
     format_version: int = FORMAT_VERSION
+
+    @property
+    def centered(self) -> bool:
+        return all(layer.k_mean is not None for layer in self.layers)
 
     def metadata(self) -> dict:
         return {
@@ -89,7 +109,17 @@ class RotationArtifact:
             "clip_ratio_k": self.clip_ratio_k,
             "clip_ratio_v": self.clip_ratio_v,
             "calibration": self.calibration,
+            "layers": [layer.choice for layer in self.layers],
         }
+
+    def paper_variant(self) -> RotationArtifact:
+        """The SPEC §1-§4 method from the same calibration: paper rotations, no centering, INT2."""
+        if all(layer.paper_k_rotation is None for layer in self.layers):
+            return self  # already a paper-style artifact (oscar-paper, ktk, vtv, data-free)
+        layers = [LayerRotation(layer.paper_k_rotation, layer.paper_v_rotation, layer.k_eigenvalues,
+                                layer.v_eigenvalues) for layer in self.layers]
+        return RotationArtifact("oscar-paper", self.model, layers, self.group_size, self.clip_ratio_k,
+                                self.clip_ratio_v, dict(self.calibration))
 
     def check_model(self, identity: ModelIdentity) -> None:
         problem = self.model.mismatch(identity)
@@ -105,8 +135,9 @@ class RotationArtifact:
         self._check()
         tensors = {}
         for i, layer in enumerate(self.layers):
-            for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues"):
-                tensors[f"layers.{i}.{name}"] = getattr(layer, name).float().contiguous().clone()
+            for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", *OPTIONAL_TENSORS):
+                if getattr(layer, name) is not None:
+                    tensors[f"layers.{i}.{name}"] = getattr(layer, name).float().contiguous().clone()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
@@ -126,8 +157,20 @@ class RotationArtifact:
                 "the file is damaged: re-run `oscarkv calibrate`."
             )
         for i, layer in enumerate(self.layers):
-            for name in ("k_rotation", "v_rotation"):
+            for name in ("k_mean", "v_mean"):
+                mean = getattr(layer, name)
+                if mean is not None and (tuple(mean.shape) != (self.model.num_kv_heads, d)
+                                         or not torch.isfinite(mean).all()):
+                    raise ArtifactError(
+                        f"layers.{i}.{name} has shape {tuple(mean.shape)} or non-finite values, expected finite "
+                        f"({self.model.num_kv_heads}, {d}); re-run `oscarkv calibrate`."
+                    )
+            if layer.bits not in (2, 4):
+                raise ArtifactError(f"layers.{i} asks for {layer.bits} bits; only 2 and 4 exist. Re-run calibration.")
+            for name in ("k_rotation", "v_rotation", "paper_k_rotation", "paper_v_rotation"):
                 r = getattr(layer, name)
+                if r is None:
+                    continue
                 if tuple(r.shape) != (d, d):
                     raise ArtifactError(
                         f"layers.{i}.{name} has shape {tuple(r.shape)}, expected ({d}, {d}); "
@@ -165,19 +208,23 @@ class RotationArtifact:
         except (ValueError, KeyError, TypeError) as exc:
             raise ArtifactError(f"{str(path)!r} has an unreadable metadata header ({exc}); re-run `oscarkv calibrate`.")
         if version != FORMAT_VERSION:
+            older = " (it has no centering means or per-layer choices)" if version < FORMAT_VERSION else ""
             raise ArtifactError(
-                f"{str(path)!r} has artifact format version {version}; this oscarkv reads version "
+                f"{str(path)!r} has artifact format version {version}{older}; this oscarkv reads version "
                 f"{FORMAT_VERSION}. Re-calibrate: `oscarkv calibrate MODEL --out {path.name}`."
             )
         try:
             model = meta["model"]
             identity = ModelIdentity(**{**model, "weight_signature": tuple(model["weight_signature"])})
+            choices = meta.get("layers") or [{} for _ in range(identity.num_layers)]
             layers = [
                 LayerRotation(
                     tensors[f"layers.{i}.k_rotation"],
                     tensors[f"layers.{i}.v_rotation"],
                     tensors[f"layers.{i}.k_eigenvalues"],
                     tensors[f"layers.{i}.v_eigenvalues"],
+                    **{name: tensors.get(f"layers.{i}.{name}") for name in OPTIONAL_TENSORS},
+                    choice=dict(choices[i]),
                 )
                 for i in range(identity.num_layers)
             ]
@@ -191,7 +238,7 @@ class RotationArtifact:
                 calibration=meta.get("calibration", {}),
                 format_version=version,
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, IndexError) as exc:
             raise ArtifactError(
                 f"{str(path)!r} is missing {exc} in its tensors or metadata; it is truncated or damaged: "
                 "re-run `oscarkv calibrate`."

@@ -1,11 +1,16 @@
-"""Offline calibration (SPEC §1): text -> statistics -> rotations artifact.
+"""Offline calibration: text -> statistics -> rotations artifact.
 
 Methods:
-    oscar     R_K = U_Q·H·P_br (C_Q pooled over GQA groups), R_V = U_S·H·P_br (C_S, weights k C_Q kᵀ)
-    ktk       like oscar, but R_K from the key covariance KᵀK (ablation)
-    vtv       like oscar, but R_V from the value covariance VᵀV (ablation)
-    hadamard  R = H for K and V (QuaRot-style, data-free)
-    identity  R = I (naive INT2, data-free)
+    oscar        the product (SPEC §6): keys and values centered by their calibration means;
+                 per layer, K and V each take the best of identity / Hadamard / OSCAR and of a
+                 small clip grid by attention-output error on held-apart tokens; the layers with
+                 the largest error move to INT4 while the cache stays within the bit budget
+    oscar-paper  SPEC §1 exactly: R_K = U_Q·H·P_br (C_Q pooled over GQA groups),
+                 R_V = U_S·H·P_br (C_S with weights k C_Q kᵀ), no centering, INT2 everywhere
+    ktk          like oscar-paper, but R_K from the key covariance KᵀK (ablation)
+    vtv          like oscar-paper, but R_V from the value covariance VᵀV (ablation)
+    hadamard     R = H for K and V (QuaRot-style, data-free)
+    identity     R = I (naive INT2, data-free)
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..config import QuantConfig
+from ..config import CacheConfig, QuantConfig
 from ..errors import CalibrationError, OscarError
 from ..methods import data_free_artifact
 from ..models import attention_shape, model_identity
@@ -23,17 +28,27 @@ from .artifact import LayerRotation, RotationArtifact
 from .collect import Collector, collecting
 from .rotations import check_power_of_two, compose_rotation, sorted_eigh
 
-CALIBRATION_METHODS = ("oscar", "ktk", "vtv", "hadamard", "identity")
+CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
+DEFAULT_EXTRA_BITS = 0.25  # default budget: pure INT2 + this many bits per element
+HIGH_ERROR = 0.05  # predicted relative attention-output error above which calibration warns
 
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """chunk_tokens: tokens per forward; max_chunks: chunks used after the skipped warm-up chunk."""
+    """How to calibrate.
+
+    chunk_tokens: tokens per forward; max_chunks: chunks for the covariances, after the skipped
+    warm-up chunk. The product method holds one more chunk apart to score the candidates.
+    max_bits: bit budget per element (None: pure INT2 + 0.25; 0: pure INT2), counted in bytes at
+    `budget_context` tokens with the cache layout `cache`.
+    """
 
     method: str = "oscar"
     chunk_tokens: int = 1024
     max_chunks: int = 16
     min_chunks: int = 2
+    max_bits: float | None = None
+    budget_context: int = 32768
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -42,6 +57,8 @@ class CalibrationConfig:
             raise OscarError(f"chunk_tokens={self.chunk_tokens} is too small; use at least 16 (default 1024).")
         if not 1 <= self.min_chunks <= self.max_chunks:
             raise OscarError(f"need 1 <= min_chunks ({self.min_chunks}) <= max_chunks ({self.max_chunks}).")
+        if self.max_bits is not None and self.max_bits < 0:
+            raise OscarError(f"max_bits={self.max_bits} must be >= 0 (0 = pure INT2).")
 
 
 def token_chunks(token_ids: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
@@ -59,11 +76,13 @@ def _run(model, chunks: list[torch.Tensor], collector: Collector, progress: tqdm
 
 
 def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: CalibrationConfig = CalibrationConfig(),
-              sources: list[str] | None = None, show_progress: bool = True) -> RotationArtifact:
+              sources: list[str] | None = None, show_progress: bool = True,
+              cache: CacheConfig = CacheConfig()) -> RotationArtifact:
     """Calibrate rotations for `model` on the token stream `token_ids` ([N] long).
 
     The first chunk is a warm-up and is skipped (as in the reference); the next
-    `max_chunks` chunks are used. Returns an artifact ready to save.
+    `max_chunks` chunks give the covariances and means; the product method scores its
+    per-layer candidates on one further chunk. Returns an artifact ready to save.
     """
     if hasattr(model, "oscar"):
         raise OscarError("this model is already patched by oscarkv; calibrate a freshly loaded model.")
@@ -74,49 +93,72 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
             check_power_of_two(shape.head_dim)
         return data_free_artifact(model, config.method, quant)
     check_power_of_two(shape.head_dim)
+    product = config.method == "oscar"
     chunks = token_chunks(token_ids.reshape(-1), config.chunk_tokens)
-    needed = 1 + config.min_chunks
+    needed = 1 + config.min_chunks + (1 if product else 0)
     if len(chunks) < needed:
+        held = " and one is held apart to score the per-layer choices" if product else ""
         raise CalibrationError(
             f"calibration text has {token_ids.numel()} tokens: {len(chunks)} chunk(s) of {config.chunk_tokens}, "
-            f"but {needed} are needed (one warm-up chunk is skipped). Pass more text (--text FILE...) "
+            f"but {needed} are needed (one warm-up chunk is skipped{held}). Pass more text (--text FILE...) "
             "or a smaller --chunk-tokens."
         )
-    chunks = chunks[1 : 1 + config.max_chunks]
+    held_apart = None
+    if product:
+        held_apart = chunks[min(len(chunks) - 1, 1 + config.max_chunks)]
+        chunks = chunks[1 : min(len(chunks) - 1, 1 + config.max_chunks)]
+    else:
+        chunks = chunks[1 : 1 + config.max_chunks]
     collector = Collector()
-    with tqdm(total=2 * len(chunks), desc="calibrating", unit="chunk", disable=not show_progress) as progress:
+    passes = 2 * len(chunks) + (1 if product else 0)
+    with tqdm(total=passes, desc="calibrating", unit="chunk", disable=not show_progress) as progress:
         _run(model, chunks, collector, progress)
         collector.second_pass = True
         _run(model, chunks, collector, progress)
+        layers = [_layer_rotations(collector.stats[i], config.method) for i in range(shape.num_layers)]
+        if product:
+            from .selection import choose_layer
 
-    layers = []
-    for layer in range(shape.num_layers):
-        stats = collector.stats[layer]
-        c_q = stats.query_covariance().mean(0)
-        c_s = (stats.sv / stats.weight.clamp(min=1e-300)[:, None, None]).mean(0)
-        k_cov = c_q if config.method != "ktk" else (stats.kk / stats.tokens).mean(0)
-        v_cov = c_s if config.method != "vtv" else (stats.vv / stats.tokens).mean(0)
-        k_values, k_vectors = sorted_eigh(k_cov)
-        v_values, v_vectors = sorted_eigh(v_cov)
-        layers.append(LayerRotation(
-            compose_rotation(k_vectors, k_values).float(),
-            compose_rotation(v_vectors, v_values).float(),
-            k_values.float(),
-            v_values.float(),
-        ))
-    return RotationArtifact(
-        method=config.method,
-        model=model_identity(model),
-        layers=layers,
-        group_size=quant.group_size,
-        clip_ratio_k=quant.clip_ratio_k,
-        clip_ratio_v=quant.clip_ratio_v,
-        calibration={
-            "tokens": len(chunks) * config.chunk_tokens,
-            "chunk_tokens": config.chunk_tokens,
-            "chunks": len(chunks),
-            "warmup_chunks_skipped": 1,
-            "sources": list(sources or []),
-            "model_source": getattr(model, "oscar_source", None),
-        },
+            def score(layer: int, q, k, v) -> None:
+                sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
+                layers[layer].choice = choose_layer(layers[layer], q[0], k[0], v[0], quant, cache, sliding)
+
+            collector.on_layer = score
+            _run(model, [held_apart], collector, progress)
+    calibration = {
+        "tokens": len(chunks) * config.chunk_tokens,
+        "chunk_tokens": config.chunk_tokens,
+        "chunks": len(chunks),
+        "warmup_chunks_skipped": 1,
+        "held_apart_tokens": config.chunk_tokens if product else 0,
+        "sources": list(sources or []),
+        "model_source": getattr(model, "oscar_source", None),
+    }
+    artifact = RotationArtifact(config.method, model_identity(model), layers, quant.group_size, quant.clip_ratio_k,
+                                quant.clip_ratio_v, calibration)
+    if product:
+        from .selection import apply_budget
+
+        apply_budget(artifact, shape, cache, config.max_bits, config.budget_context)
+    return artifact
+
+
+def _layer_rotations(stats, method: str) -> LayerRotation:
+    """Rotations of one layer from its statistics (and, for the product, means and paper rotations)."""
+    c_q = stats.query_covariance().mean(0)
+    c_s = stats.score_weighted_value_covariance(centered=False).mean(0)
+    k_cov = c_q if method != "ktk" else (stats.kk / stats.tokens).mean(0)
+    v_cov = c_s if method != "vtv" else (stats.vv / stats.tokens).mean(0)
+    k_values, k_vectors = sorted_eigh(k_cov)
+    v_values, v_vectors = sorted_eigh(v_cov)
+    paper_k = compose_rotation(k_vectors, k_values).float()
+    paper_v = compose_rotation(v_vectors, v_values).float()
+    if method != "oscar":
+        return LayerRotation(paper_k, paper_v, k_values.float(), v_values.float())
+    # The product rotates centered values: its C_S is that of v - μ_V.
+    centered_values, centered_vectors = sorted_eigh(stats.score_weighted_value_covariance(centered=True).mean(0))
+    return LayerRotation(
+        paper_k, compose_rotation(centered_vectors, centered_values).float(), k_values.float(),
+        centered_values.float(), k_mean=stats.key_mean().float(), v_mean=stats.value_mean().float(),
+        paper_k_rotation=paper_k, paper_v_rotation=paper_v,
     )

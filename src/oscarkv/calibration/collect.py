@@ -7,6 +7,7 @@ the forward continues unchanged. Nothing but d×d sums is kept between chunks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,19 +29,41 @@ class LayerStats:
     qq: torch.Tensor  # [Hkv, d, d]  Σ qᵀq over the query heads of each KV head
     kk: torch.Tensor  # [Hkv, d, d]  Σ kᵀk
     vv: torch.Tensor  # [Hkv, d, d]  Σ vᵀv
+    k_sum: torch.Tensor  # [Hkv, d]  Σ k
+    v_sum: torch.Tensor  # [Hkv, d]  Σ v
     sv: torch.Tensor  # [Hkv, d, d]  Σ w·vᵀv, w = k C_Q kᵀ  (second pass)
-    weight: torch.Tensor  # [Hkv]    Σ w
+    sv_sum: torch.Tensor  # [Hkv, d] Σ w·v                  (second pass)
+    weight: torch.Tensor  # [Hkv]    Σ w                    (second pass)
     queries: int = 0  # rows summed into qq per KV head
     tokens: int = 0  # rows summed into kk, vv
 
     @classmethod
     def empty(cls, kv_heads: int, d: int) -> LayerStats:
-        z = lambda: torch.zeros(kv_heads, d, d, dtype=torch.float64)  # noqa: E731
-        return cls(z(), z(), z(), z(), torch.zeros(kv_heads, dtype=torch.float64))
+        z = lambda *shape: torch.zeros(kv_heads, *shape, dtype=torch.float64)  # noqa: E731
+        return cls(z(d, d), z(d, d), z(d, d), z(d), z(d), z(d, d), z(d), z())
 
     def query_covariance(self) -> torch.Tensor:
         """C_Q per KV head [Hkv, d, d]."""
         return self.qq / max(self.queries, 1)
+
+    def key_mean(self) -> torch.Tensor:
+        """μ_K per KV head [Hkv, d] (keys after RoPE and k-norm)."""
+        return self.k_sum / max(self.tokens, 1)
+
+    def value_mean(self) -> torch.Tensor:
+        """μ_V per KV head [Hkv, d]."""
+        return self.v_sum / max(self.tokens, 1)
+
+    def score_weighted_value_covariance(self, centered: bool) -> torch.Tensor:
+        """C_S per KV head [Hkv, d, d]: Σ w v vᵀ / Σ w, of v - μ_V when `centered`."""
+        total = self.weight.clamp(min=1e-300)[:, None, None]
+        c_s = self.sv / total
+        if centered:
+            mean = self.value_mean()
+            weighted_mean = self.sv_sum / total[..., 0]
+            c_s = (c_s - weighted_mean[:, :, None] * mean[:, None, :] - mean[:, :, None] * weighted_mean[:, None, :]
+                   + mean[:, :, None] * mean[:, None, :])
+        return c_s
 
 
 @dataclass
@@ -49,42 +72,45 @@ class Collector:
 
     stats: dict[int, LayerStats] = field(default_factory=dict)
     second_pass: bool = False
+    # Third use: when set, called as on_layer(layer, q, k, v) instead of accumulating (held-apart tokens).
+    on_layer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                valid: torch.Tensor | None) -> None:
-        """q: [B, Hq, T, d]; k, v: [B, Hkv, T, d]; valid: [B, T] bool or None."""
+    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q: [B, Hq, T, d]; k, v: [B, Hkv, T, d] (calibration batches are unpadded)."""
         for name, t in (("queries", q), ("keys", k), ("values", v)):
             if not torch.isfinite(t).all():
                 raise CalibrationError(
                     f"non-finite {name} in layer {layer} during calibration: the model overflows on this text "
                     "in its dtype. Calibrate in float32 (on CPU the default) or with other text."
                 )
+        if self.on_layer is not None:
+            self.on_layer(layer, q, k, v)
+            return
         b, hq, t_len, d = q.shape
         hkv = k.shape[1]
-        if valid is None:
-            valid = torch.ones(b, t_len, dtype=torch.bool, device=q.device)
-        sel = valid.reshape(-1)
-        qf = q.double().transpose(1, 2).reshape(b * t_len, hkv, hq // hkv, d)[sel]  # [N, Hkv, g, d]
-        kf = k.double().transpose(1, 2).reshape(b * t_len, hkv, d)[sel]
-        vf = v.double().transpose(1, 2).reshape(b * t_len, hkv, d)[sel]
+        qf = q.double().transpose(1, 2).reshape(b * t_len, hkv, hq // hkv, d)  # [N, Hkv, g, d]
+        kf = k.double().transpose(1, 2).reshape(b * t_len, hkv, d)
+        vf = v.double().transpose(1, 2).reshape(b * t_len, hkv, d)
         stats = self.stats.setdefault(layer, LayerStats.empty(hkv, d))
         if not self.second_pass:
             stats.qq += torch.einsum("nhgd,nhge->hde", qf, qf).cpu()
             stats.kk += torch.einsum("nhd,nhe->hde", kf, kf).cpu()
             stats.vv += torch.einsum("nhd,nhe->hde", vf, vf).cpu()
+            stats.k_sum += kf.sum(0).cpu()
+            stats.v_sum += vf.sum(0).cpu()
             stats.queries += qf.shape[0] * qf.shape[2]
             stats.tokens += kf.shape[0]
         else:
             c_q = stats.query_covariance().to(kf.device)
             w = torch.einsum("nhd,hde,nhe->nh", kf, c_q, kf).clamp(min=0)  # attention-weight proxy per token
             stats.sv += torch.einsum("nh,nhd,nhe->hde", w, vf, vf).cpu()
+            stats.sv_sum += torch.einsum("nh,nhd->hd", w, vf).cpu()
             stats.weight += w.sum(0).cpu()
 
 
 def _make_attention(collector: Collector):
     def calibration_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-        valid = getattr(collector, "valid", None)
-        collector.observe(module.layer_idx, query.detach(), key.detach(), value.detach(), valid)
+        collector.observe(module.layer_idx, query.detach(), key.detach(), value.detach())
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     return calibration_attention

@@ -16,7 +16,7 @@ so (qR)(kR)ᵀ = qkᵀ and keys are never rotated back.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ def oscar_attention(module: nn.Module, query: torch.Tensor, key, value, attentio
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
     layer = key
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = layer.rotate_keys(query)
+    q = layer.rotate(query)
     return oscar_attention_reference(layer, q, scaling, sliding_window, softcap), None
 
 
@@ -72,27 +72,44 @@ def _block_rotate_rows(weight: torch.Tensor, rotation: torch.Tensor, blocks: int
     return torch.einsum("ed,hei->hdi", rotation, w).reshape(weight.shape)
 
 
-def absorb_value_rotation(module: nn.Module, rotation: torch.Tensor, num_kv_heads: int, num_heads: int) -> None:
-    """W_v <- R_Vᵀ W_v per KV head (bias b <- b R_V), W_o[:, head h] <- W_o[:, h] R_V.
+def absorb_value_transform(module: nn.Module, rotation: torch.Tensor, mean: torch.Tensor | None, num_kv_heads: int,
+                           num_heads: int) -> None:
+    """Fold R_V (and the centering μ_V) into the weights of one attention layer.
 
-    Always recomputed from the original weights, so patching a model twice is safe.
+    v_proj: W_v <- R_Vᵀ W_v per KV head, bias b <- (b - μ_V) R_V, so it emits (v - μ_V) R_V.
+    o_proj: W_o[:, head h] <- W_o[:, h] R_V, bias += W_o · μ_V(h): the attention weights sum to 1,
+    so the output of every query head is shifted by exactly -μ_V R_V, which this bias undoes.
+    A missing bias is created; patching again always starts from the original weights.
     """
     v_proj, o_proj = module.v_proj, module.o_proj
     if not hasattr(module, "_oscar_original"):
         module._oscar_original = {
-            "v_weight": v_proj.weight.detach().clone(),
-            "v_bias": None if v_proj.bias is None else v_proj.bias.detach().clone(),
-            "o_weight": o_proj.weight.detach().clone(),
+            name: None if tensor is None else tensor.detach().clone()
+            for name, tensor in (("v_weight", v_proj.weight), ("v_bias", v_proj.bias), ("o_weight", o_proj.weight),
+                                 ("o_bias", o_proj.bias))
         }
     original = module._oscar_original
-    r = rotation.double().to(v_proj.weight.device)
+    weight = v_proj.weight
+    r = rotation.double().to(weight.device)
     d = r.shape[0]
+    w_o = original["o_weight"].double()
     with torch.no_grad():
         v_proj.weight.copy_(_block_rotate_rows(original["v_weight"], r, num_kv_heads))
-        if original["v_bias"] is not None:
-            v_proj.bias.copy_((original["v_bias"].double().reshape(num_kv_heads, d) @ r).reshape(-1))
-        w_o = original["o_weight"].double()
         o_proj.weight.copy_((w_o.reshape(w_o.shape[0], num_heads, d) @ r).reshape(w_o.shape))
+        v_bias = original["v_bias"]
+        o_bias = original["o_bias"]
+        if mean is not None:
+            mu = mean.double().to(weight.device)  # [Hkv, d]
+            base = torch.zeros(num_kv_heads, d, dtype=torch.float64, device=weight.device) if v_bias is None \
+                else v_bias.double().reshape(num_kv_heads, d)
+            v_bias = ((base - mu) @ r).reshape(-1)
+            per_query_head = mu.repeat_interleave(num_heads // num_kv_heads, dim=0).reshape(-1)
+            shift = w_o @ per_query_head
+            o_bias = shift if o_bias is None else o_bias.double() + shift
+        elif v_bias is not None:
+            v_bias = (v_bias.double().reshape(num_kv_heads, d) @ r).reshape(-1)
+        for linear, bias in ((v_proj, v_bias), (o_proj, o_bias)):
+            linear.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
 
 
 def _inject_cache(model: nn.Module, args, kwargs):
@@ -119,7 +136,8 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
                 cache: CacheConfig | None = None) -> nn.Module:
     """Make `model` store its KV cache as OSCAR INT2 (in place; returns the model).
 
-    quant: defaults to the artifact's group size and clip ratios.
+    quant: defaults to the artifact's group size and clip ratios; per-layer clip ratios and
+        bits recorded in the artifact take precedence.
     cache: defaults to CacheConfig() (64 sink, 256 recent, BF16 windows, INT2 history).
     """
     artifact.check_model(model_identity(model))
@@ -129,10 +147,18 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
     quant.check_head_dim(shape.head_dim)
     specs = []
     for module, layer, layer_type in zip(attention_modules(model), artifact.layers, shape.layer_types):
-        absorb_value_rotation(module, layer.v_rotation, shape.num_kv_heads, shape.num_heads)
-        sliding = shape.sliding_window if layer_type == "sliding_attention" else None
-        k_rotation = None if artifact.method == "identity" else layer.k_rotation
-        specs.append(LayerSpec(k_rotation=k_rotation, quant=quant, sliding_window=sliding))
+        absorb_value_transform(module, layer.v_rotation, layer.v_mean, shape.num_kv_heads, shape.num_heads)
+        choice = layer.choice
+        layer_quant = replace(quant, clip_ratio_k=choice.get("clip_k", quant.clip_ratio_k),
+                              clip_ratio_v=choice.get("clip_v", quant.clip_ratio_v))
+        identity = choice.get("k_transform", artifact.method) == "identity"
+        specs.append(LayerSpec(
+            k_rotation=None if identity else layer.k_rotation,
+            quant=layer_quant,
+            sliding_window=shape.sliding_window if layer_type == "sliding_attention" else None,
+            k_mean=layer.k_mean,
+            bits=layer.bits,
+        ))
     model.oscar = OscarState(artifact, quant, cache, specs)
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import CacheConfig, QuantConfig
-from .int2 import int2_bits_per_element
+from .format import int2_bits_per_element
 
 
 def cache_bits_per_element(context: int, cache: CacheConfig, quant: QuantConfig) -> float:

@@ -7,19 +7,37 @@ from hypothesis import strategies as st
 
 from oscarkv import CacheConfig, QuantConfig, cache_bits_per_element, dequantize_int2, quantize_int2
 from oscarkv.errors import OscarError
-from oscarkv.quant import clip_rows, int2_bits_per_element, pack_int2, unpack_int2
+from oscarkv.quant import (
+    bits_per_element,
+    clip_rows,
+    dequantize,
+    int2_bits_per_element,
+    pack_codes,
+    pack_int2,
+    quantize,
+    unpack_codes,
+    unpack_int2,
+)
 
 dims = st.sampled_from([16, 32, 64, 128, 256])
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(0, 7), d=dims, seed=st.integers(0, 2**31 - 1))
-def test_pack_unpack_roundtrip(rows, d, seed):
+@given(rows=st.integers(0, 7), d=dims, bits=st.sampled_from([2, 4]), seed=st.integers(0, 2**31 - 1))
+def test_pack_unpack_roundtrip(rows, d, bits, seed):
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 4, (rows, d), generator=g, dtype=torch.uint8)
-    packed = pack_int2(codes)
-    assert packed.shape == (rows, d // 4) and packed.dtype == torch.uint8
-    assert torch.equal(unpack_int2(packed), codes)
+    codes = torch.randint(0, 1 << bits, (rows, d), generator=g, dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (rows, d * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    if bits == 2:
+        assert torch.equal(pack_int2(codes), packed) and torch.equal(unpack_int2(packed), codes)
+
+
+def test_int4_packing_is_half_planar():
+    codes = torch.zeros(8, dtype=torch.uint8)
+    codes[2], codes[2 + 4] = 7, 12
+    assert pack_codes(codes, 4)[2].item() == 7 | (12 << 4)
 
 
 def test_packing_is_quarter_planar():
@@ -32,19 +50,27 @@ def test_packing_is_quarter_planar():
 
 @settings(max_examples=60, deadline=None)
 @given(d=dims, group_log=st.integers(2, 8), scale=st.floats(1e-3, 1e3), offset=st.floats(-100, 100),
-       scale_dtype=st.sampled_from([torch.float16, torch.float32]), seed=st.integers(0, 2**31 - 1))
-def test_error_within_half_a_step(d, group_log, scale, offset, scale_dtype, seed):
+       scale_dtype=st.sampled_from([torch.float16, torch.float32]), bits=st.sampled_from([2, 4]),
+       seed=st.integers(0, 2**31 - 1))
+def test_error_within_half_a_step(d, group_log, scale, offset, scale_dtype, bits, seed):
     group = 2**group_log
     if group > d:
         group = d
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(5, 3, d, generator=g) * scale + offset
-    q = quantize_int2(x, group, 0.0, scale_dtype)
-    assert q.packed.shape == (5, 3, d // 4)
+    q = quantize(x, bits, group, 0.0, scale_dtype) if bits == 4 else quantize_int2(x, group, 0.0, scale_dtype)
+    assert q.packed.shape == (5, 3, d * bits // 8)
     assert q.scale.shape == q.zero.shape == (5, 3, d // group)
     assert q.scale.dtype == scale_dtype
-    x_hat = dequantize_int2(q)
+    x_hat = dequantize(q)
     assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    # scale is (max - min) / (2^bits - 1): the levels span the group exactly.
+    span = (x.reshape(5, 3, d // group, group).amax(-1) - x.reshape(5, 3, d // group, group).amin(-1))
+    # ... unless floored so that |zero| stays below 2^15 (near-constant groups far from 0).
+    absmax = x.abs().reshape(5, 3, d // group, group).amax(-1)
+    expected = torch.maximum(span.clamp(min=1e-8) / ((1 << bits) - 1), absmax * 2.0**-15)
+    subnormal = 2.0**-24 * 2 if scale_dtype == torch.float16 else 0.0
+    assert torch.allclose(q.scale.float(), expected, rtol=2e-3, atol=subnormal + 1e-7 * (abs(offset) + scale))
     step = q.scale.float().repeat_interleave(group, dim=-1)
     # Codes are chosen against the stored (rounded) scale and zero; the only extra error is the
     # rounding of zero itself in the storage dtype, and that of float32 arithmetic.
@@ -54,6 +80,20 @@ def test_error_within_half_a_step(d, group_log, scale, offset, scale_dtype, seed
     hi = x.reshape(5, 3, d // group, group).amax(-1).repeat_interleave(group, -1)
     tol = step * (0.5 + zero_rounding) + 1e-5 * (x.abs() + step) + 2e-3 * (hi - lo)
     assert torch.all((x_hat - x).abs() <= tol)
+
+
+def test_int4_is_about_five_times_more_accurate_than_int2():
+    torch.manual_seed(0)
+    x = torch.randn(1000, 128)
+    e2 = (dequantize(quantize(x, 2, 64)) - x).pow(2).mean()
+    e4 = (dequantize(quantize(x, 4, 64)) - x).pow(2).mean()
+    assert e4 < e2 / 20  # (15/3)^2 = 25 times smaller steps squared
+    assert bits_per_element(4, 128) == 4.25
+
+
+def test_unsupported_bits():
+    with pytest.raises(OscarError, match="bits=3"):
+        quantize(torch.randn(2, 64), 3, 64)
 
 
 def test_constant_groups_are_exact_enough():

@@ -1,0 +1,205 @@
+"""Per-layer choice of transform, clip ratio and bits by the error of the attention output.
+
+For one layer and held-apart calibration tokens (q, k, v after RoPE / q-k-norm), a
+candidate is scored by the relative error of the attention output when the keys (or the
+values) go through the cache exactly as at run time: centered, rotated, clipped,
+quantized, read back. The mixed layout is respected: a key reaches the history only once
+it is older than the recent window and outside the sink, so only those pairs carry error.
+Keys and values are scored separately (their errors add to first order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant.format import dequantize, quantize
+
+TRANSFORMS = ("identity", "hadamard", "oscar")
+CLIP_GRID_K = (0.0, 0.96)
+CLIP_GRID_V = (0.0, 0.92)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    transform: str
+    clip: float
+    bits: int
+    centered: bool = True
+
+
+def roundtrip(x: torch.Tensor, mean: torch.Tensor | None, rotation: torch.Tensor, bits: int, group_size: int,
+              clip: float) -> torch.Tensor:
+    """x [Hkv, T, d] as read back from the cache: ((x - μ)·R) quantized, then ·Rᵀ + μ (float64)."""
+    centered = x - mean[:, None, :] if mean is not None else x
+    rotated = centered @ rotation
+    restored = dequantize(quantize(rotated, bits, group_size, clip), torch.float64) @ rotation.T
+    return restored + mean[:, None, :] if mean is not None else restored
+
+
+def history_mask(tokens: int, sink: int, recent: int, device) -> torch.Tensor:
+    """[T, T] bool: query t reads key j from the history (j >= sink and j <= t - recent)."""
+    t = torch.arange(tokens, device=device)[:, None]
+    j = torch.arange(tokens, device=device)[None, :]
+    return (j >= sink) & (j <= t - recent)
+
+
+def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor,
+                      lo: torch.Tensor, visible: torch.Tensor, first_query: int) -> torch.Tensor:
+    """Attention [Hq, Tq, d] of queries from `first_query` on, reading history pairs from k_hist/v_hist.
+
+    q: [Hq, T, d]; k, v, k_hist, v_hist: [Hkv, T, d] (float64); lo, visible: [T, T] masks.
+    """
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    qg = q[:, first_query:].reshape(hkv, g * (t - first_query), d)
+    lo_q = lo[first_query:]
+    scores_hi = (qg @ k.transpose(1, 2)).reshape(hkv, g, t - first_query, t)
+    scores_lo = (qg @ k_hist.transpose(1, 2)).reshape(hkv, g, t - first_query, t)
+    scores = torch.where(lo_q, scores_lo, scores_hi) * d**-0.5
+    probs = torch.softmax(scores.masked_fill(~visible[first_query:], float("-inf")), dim=-1)
+    out = (probs * ~lo_q) @ v[:, None] + (probs * lo_q) @ v_hist[:, None]
+    return out.reshape(hq, t - first_query, d)
+
+
+class LayerScorer:
+    """Scores K and V candidates of one layer on held-apart q, k, v."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: int, recent: int,
+                 group_size: int, sliding_window: int | None = None) -> None:
+        # q: [Hq, T, d], k, v: [Hkv, T, d]
+        self.q, self.k, self.v = q.double(), k.double(), v.double()
+        self.group_size = group_size
+        tokens = q.shape[1]
+        self.first_query = min(tokens - 1, sink + recent)
+        self.lo = history_mask(tokens, sink, recent, q.device)
+        self.visible = torch.ones(tokens, tokens, dtype=torch.bool, device=q.device).tril()
+        if sliding_window:
+            self.visible = self.visible.triu(-(sliding_window - 1))
+        self.exact = self._attend(self.k, self.v)
+        self.norm = self.exact.pow(2).sum().clamp(min=1e-300)
+
+    def _attend(self, k_hist: torch.Tensor, v_hist: torch.Tensor) -> torch.Tensor:
+        return attention_outputs(self.q, self.k, self.v, k_hist, v_hist, self.lo, self.visible, self.first_query)
+
+    def _error(self, k_hist: torch.Tensor, v_hist: torch.Tensor) -> float:
+        out = self._attend(k_hist, v_hist)
+        return float((out - self.exact).pow(2).sum() / self.norm)
+
+    def key_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
+        return self._error(roundtrip(self.k, mean, rotation.double(), bits, self.group_size, clip), self.v)
+
+    def value_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
+        return self._error(self.k, roundtrip(self.v, mean, rotation.double(), bits, self.group_size, clip))
+
+
+def layer_budget_bits(hist_tokens: list[int], window_tokens: list[int], bits: list[int], bits_per_code: dict[int, float],
+                      window_bits: int = 16) -> float:
+    """Average stored bits per element over layers holding hist/window tokens with per-layer code bits."""
+    total = sum(h * bits_per_code[b] + w * window_bits for h, w, b in zip(hist_tokens, window_tokens, bits))
+    elements = sum(h + w for h, w in zip(hist_tokens, window_tokens))
+    return total / max(elements, 1)
+
+
+def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
+                 sliding_window: int | None = None) -> dict:
+    """Pick the K and V transform and clip of one layer; sets layer.k_rotation / v_rotation.
+
+    q: [Hq, T, d], k, v: [Hkv, T, d] of held-apart tokens. Returns the layer's choice record
+    (transforms, clips, bits = 2, and the predicted errors at INT2 and INT4 and of the paper method).
+    """
+    from .rotations import hadamard
+
+    d = k.shape[-1]
+    scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size, sliding_window)
+    eye, had = torch.eye(d, dtype=torch.float64), hadamard(d)
+    options = {
+        "k": {"identity": eye, "hadamard": had, "oscar": layer.k_rotation.double()},
+        "v": {"identity": eye, "hadamard": had, "oscar": layer.v_rotation.double()},
+    }
+    choice: dict = {"bits": 2}
+    for kind, grid, mean, error, paper, paper_clip in (
+        ("k", CLIP_GRID_K, layer.k_mean, scorer.key_error, layer.paper_k_rotation, quant.clip_ratio_k),
+        ("v", CLIP_GRID_V, layer.v_mean, scorer.value_error, layer.paper_v_rotation, quant.clip_ratio_v),
+    ):
+        scored = {(name, clip): error(rotation, mean, clip, 2) for name, rotation in options[kind].items()
+                  for clip in grid}
+        (name, clip), best = min(scored.items(), key=lambda item: item[1])
+        choice.update({
+            f"{kind}_transform": name,
+            f"clip_{kind}": clip,
+            f"error_{kind}": best,
+            f"error_{kind}_int4": error(options[kind][name], mean, clip, 4),
+            f"paper_error_{kind}": error(paper.double(), None, paper_clip, 2) if paper is not None else None,
+            f"candidates_{kind}": {f"{n}@{c:g}": e for (n, c), e in scored.items()},
+        })
+        setattr(layer, f"{kind}_rotation", options[kind][name].float())
+    return choice
+
+
+def held_tokens(shape, cache, context: int) -> tuple[list[int], list[int]]:
+    """Per layer: (history tokens, BF16 window tokens) one sequence of `context` tokens holds."""
+    history, windows = [], []
+    for layer_type in shape.layer_types:
+        held = context
+        if layer_type == "sliding_attention" and shape.sliding_window:
+            held = min(context, shape.sliding_window + cache.sink_tokens)
+        window = min(held, cache.sink_tokens + cache.recent_tokens)
+        history.append(held - window)
+        windows.append(window)
+    return history, windows
+
+
+def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -> dict:
+    """Move the layers with the largest predicted INT2 error to INT4 while the cache stays within budget.
+
+    max_bits: None = pure INT2 + 0.25 bits per element; 0 = pure INT2. Counted in bytes over what
+    each layer really holds at `context` tokens. Records and returns the budget summary.
+    """
+    from ..errors import CalibrationError
+    from ..quant.format import bits_per_element
+
+    history, windows = held_tokens(shape, cache, context)
+    per_code = {b: bits_per_element(b, artifact.group_size) for b in (2, 4)}
+    window_bits = torch.finfo(cache.window_dtype).bits
+    layers = artifact.layers
+    bits = [2] * len(layers)
+    pure = layer_budget_bits(history, windows, bits, per_code, window_bits)
+    if max_bits is None:
+        budget = pure + 0.25
+    elif max_bits == 0:
+        budget = pure
+    elif max_bits < pure - 1e-9:
+        raise CalibrationError(
+            f"--max-bits {max_bits} is below pure INT2, which takes {pure:.3f} bits per element at context "
+            f"{context}; pass --max-bits 0 for pure INT2 or a value >= {pure:.3f}."
+        )
+    else:
+        budget = max_bits
+    if any("error_k" not in layer.choice for layer in layers):
+        raise CalibrationError("this artifact has no per-layer errors to apply a bit budget to; re-run "
+                               "`oscarkv calibrate` with the default method 'oscar'.")
+    order = sorted(range(len(layers)), key=lambda i: -(layers[i].choice["error_k"] + layers[i].choice["error_v"]))
+    for i in order:
+        bits[i] = 4
+        if layer_budget_bits(history, windows, bits, per_code, window_bits) > budget + 1e-9:
+            bits[i] = 2
+    for layer, b in zip(layers, bits):
+        layer.choice["bits"] = b
+    summary = {
+        "max_bits": budget,
+        "context": context,
+        "pure_int2_bits_per_element": pure,
+        "bits_per_element": layer_budget_bits(history, windows, bits, per_code, window_bits),
+        "int4_layers": [i for i, b in enumerate(bits) if b == 4],
+    }
+    artifact.calibration["budget"] = summary
+    return summary
+
+
+def predicted_error(choice: dict) -> float:
+    """Predicted attention-output error of a layer at the bits it was given."""
+    suffix = "_int4" if choice.get("bits", 2) == 4 else ""
+    return choice[f"error_k{suffix}"] + choice[f"error_v{suffix}"]

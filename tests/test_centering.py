@@ -1,0 +1,144 @@
+"""SPEC §6: centering, per-layer transform choice, INT4 fallback under a bit budget."""
+
+import pytest
+import torch
+
+import oscarkv
+from oscarkv import CacheConfig, QuantConfig
+from oscarkv.calibration.artifact import RotationArtifact
+from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
+from oscarkv.calibration.selection import apply_budget
+from oscarkv.errors import ArtifactError, CalibrationError
+from oscarkv.models import attention_shape
+from tiny_models import VOCAB, tiny_model
+
+SMALL = CacheConfig(sink_tokens=4, recent_tokens=16)
+QUANT = QuantConfig(group_size=16)
+CONFIG = CalibrationConfig(chunk_tokens=128, max_chunks=3)
+
+
+def _tokens(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _calibrated(family, bias_scale=0.0, model_kwargs=None, **config):
+    model = tiny_model(family, bias_scale=bias_scale, **(model_kwargs or {}))
+    cfg = CalibrationConfig(chunk_tokens=128, max_chunks=3, **config)
+    artifact = calibrate(model, _tokens(700), QUANT, cfg, show_progress=False, cache=SMALL)
+    return model, artifact
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_centering_and_rotations_without_quantization_are_exact(family):
+    model, artifact = _calibrated(family, bias_scale=3.0 if family == "qwen2" else 0.0)
+    assert artifact.centered and artifact.format_version == 2
+    ids = _tokens(60, seed=3)[None]
+    with torch.no_grad():
+        reference = model(ids).logits
+    oscarkv.patch(model, artifact, cache=CacheConfig(sink_tokens=4, recent_tokens=16, window_dtype=torch.float32,
+                                                     quantize_history=False))
+    if family == "llama":  # no o_proj bias originally: one was created for the value mean
+        assert model.model.layers[0].self_attn.o_proj.bias is not None
+    with torch.no_grad():
+        patched = model(ids).logits
+    assert (patched - reference).abs().max() < 1e-4 * max(1.0, reference.abs().max().item())
+
+
+def test_repatching_restores_the_original_biases():
+    model, artifact = _calibrated("llama")
+    oscarkv.patch(model, artifact)
+    oscarkv.patch(model, method="naive", quant=QUANT)
+    attn = model.model.layers[0].self_attn
+    assert attn.o_proj.bias is None and attn.v_proj.bias is None
+
+
+def _history_logit_error(model, artifact_or_method, ids, reference):
+    if isinstance(artifact_or_method, str):
+        oscarkv.patch(model, method=artifact_or_method, quant=QUANT, cache=SMALL)
+    else:
+        oscarkv.patch(model, artifact_or_method, cache=SMALL)
+    with torch.no_grad():
+        logits = model(ids).logits
+    start = SMALL.sink_tokens + SMALL.recent_tokens
+    return (logits[:, start:] - reference[:, start:]).pow(2).mean().item()
+
+
+def test_large_kv_biases_centered_oscar_beats_the_paper_method_and_the_baselines():
+    # Qwen2-like: large k/v offsets on a few channels, peaked attention, outputs that matter.
+    # (This tiny model does not reproduce the paper method's collapse on Qwen2.5; it shows the order.)
+    model, artifact = _calibrated("qwen2", bias_scale=30.0, model_kwargs=dict(attention_scale=10, value_scale=10))
+    ids = _tokens(200, seed=5)[None]
+    oscarkv.patch(model, method="bf16", quant=QUANT, cache=SMALL)
+    with torch.no_grad():
+        reference = model(ids).logits
+    paper = _history_logit_error(model, artifact.paper_variant(), ids, reference)
+    product = _history_logit_error(model, artifact, ids, reference)
+    naive = _history_logit_error(model, "naive", ids, reference)
+    hadamard = _history_logit_error(model, "hadamard", ids, reference)
+    assert product < 0.8 * paper, (product, paper)
+    assert product < min(naive, hadamard) / 4, (product, naive, hadamard)
+    # the layer choices and the paper errors behind them are recorded
+    for layer in artifact.layers:
+        c = layer.choice
+        assert c["k_transform"] in ("identity", "hadamard", "oscar") and c["error_k"] <= c["paper_error_k"] * 1.0001
+
+
+def test_keys_are_centered_for_every_region():
+    model, artifact = _calibrated("llama")
+    oscarkv.patch(model, artifact, cache=SMALL)
+    cache = model.oscar.new_cache()
+    with torch.no_grad():
+        model(_tokens(40, seed=1)[None], past_key_values=cache)
+    layer = cache.layers[0]
+    raw = torch.randn(1, 2, 3, 32)
+    expected = (raw - artifact.layers[0].k_mean[None, :, None, :]) @ artifact.layers[0].k_rotation
+    assert torch.allclose(layer.write_keys(raw), expected, atol=1e-5)
+    assert torch.allclose(layer.rotate(raw), raw @ artifact.layers[0].k_rotation, atol=1e-5)  # queries: no mean
+
+
+def test_budget_moves_the_worst_layers_to_int4_and_the_cache_shows_it():
+    model, artifact = _calibrated("gemma3", max_bits=0)
+    assert all(layer.bits == 2 for layer in artifact.layers)
+    shape = attention_shape(model)
+    budget = artifact.calibration["budget"]
+    summary = apply_budget(artifact, shape, SMALL, budget["pure_int2_bits_per_element"] + 1.0, 32768)
+    assert summary["int4_layers"] and summary["bits_per_element"] <= summary["max_bits"] + 1e-9
+    errors = [layer.choice["error_k"] + layer.choice["error_v"] for layer in artifact.layers]
+    assert max(errors[i] for i in summary["int4_layers"]) == max(errors) or len(summary["int4_layers"]) > 0
+    oscarkv.patch(model, artifact, cache=SMALL)
+    cache = model.oscar.new_cache()
+    with torch.no_grad():
+        model(_tokens(120, seed=2)[None], past_key_values=cache)
+        model(_tokens(1, seed=2)[None], past_key_values=cache)
+    for i, layer in enumerate(cache.layers):
+        stored = layer.history_k.stored()
+        assert stored.bits == (4 if i in summary["int4_layers"] else 2)
+        assert stored.packed.shape[-1] == 32 * stored.bits // 8
+
+
+def test_budget_below_pure_int2_is_refused():
+    with pytest.raises(CalibrationError, match="below pure INT2.*--max-bits 0"):
+        _calibrated("llama", max_bits=1.0)
+
+
+def test_held_apart_split_needs_enough_text():
+    model = tiny_model("llama")
+    with pytest.raises(CalibrationError, match="held apart"):
+        calibrate(model, _tokens(3 * 128), QUANT, CONFIG, show_progress=False, cache=SMALL)
+
+
+def test_version_1_artifact_names_the_recalibration(tmp_path):
+    model, artifact = _calibrated("llama")
+    artifact.format_version = 1
+    path = artifact.save(tmp_path / "old.safetensors")
+    with pytest.raises(ArtifactError, match="version 1 .*no centering.*oscarkv calibrate"):
+        RotationArtifact.load(path)
+
+
+def test_product_artifact_roundtrips_with_choices(tmp_path):
+    model, artifact = _calibrated("qwen3")
+    loaded = RotationArtifact.load(artifact.save(tmp_path / "rot.safetensors"))
+    assert loaded.centered
+    for a, b in zip(artifact.layers, loaded.layers):
+        assert a.choice["k_transform"] == b.choice["k_transform"] and b.bits == a.bits
+        assert torch.allclose(a.v_mean, b.v_mean) and b.paper_v_rotation is not None
