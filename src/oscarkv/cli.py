@@ -44,14 +44,15 @@ def _tokens(tokenizer, sources: list[str]):
 
 def cmd_calibrate(args) -> int:
     from .calibration.calibrate import CalibrationConfig, calibrate
-    from .models import attention_shape, load_model
+    from .models import attention_shape, load_model, required_bos
 
     started = time.time()
     model, tokenizer = load_model(args.model, device=args.device)
     quant = _quant_config(args, attention_shape(model).head_dim)
     config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
                                max_bits=args.max_bits, budget_context=args.budget_context)
-    artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text)
+    artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
+                         bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
         print_calibration_report(artifact)
     path = artifact.save(args.out)
@@ -72,15 +73,19 @@ def print_calibration_report(artifact) -> None:
     for i, layer in enumerate(artifact.layers):
         c = layer.choice
         rows.append({
-            "layer": str(i), "k": f"{c['k_transform']}@{c['clip_k']:g}", "v": f"{c['v_transform']}@{c['clip_v']:g}",
+            "layer": str(i),
+            "k": f"{'c-' if c['k_centered'] else ''}{c['k_transform']}@{c['clip_k']:g}",
+            "v": f"{'c-' if c['v_centered'] else ''}{c['v_transform']}@{c['clip_v']:g}",
             "bits": c["bits"], "error": predicted_error(c), "int2": c["error_k"] + c["error_v"],
-            "int4": c["error_k_int4"] + c["error_v_int4"],
+            "int4": c["error_k_int4"] + c["error_v_int4"], "int4_cost": c.get("int4_cost_bits"),
             "paper": (c["paper_error_k"] or 0.0) + (c["paper_error_v"] or 0.0),
         })
-    print("\nper-layer choice (errors: relative squared error of the attention output on held-apart tokens)")
+    print("\nper-layer choice (c- = centered; errors: relative squared error of the attention output on "
+          "held-apart tokens; paper = uncentered OSCAR of SPEC §1-§4)")
     print(format_table(rows, [("layer", "layer", "s"), ("k", "K transform@clip", "s"), ("v", "V transform@clip", "s"),
                               ("bits", "bits", "d"), ("error", "error", ".2e"), ("int2", "INT2", ".2e"),
-                              ("int4", "INT4", ".2e"), ("paper", "paper", ".2e")]))
+                              ("int4", "INT4", ".2e"), ("int4_cost", "INT4 +bits/elt", ".3f"),
+                              ("paper", "paper", ".2e")]))
     budget = artifact.calibration["budget"]
     print(f"bits per element at {budget['context']} tokens: {budget['bits_per_element']:.3f} (pure INT2 "
           f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 layers: "
@@ -97,7 +102,7 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.ppl import check_context, evaluate_methods
-    from .models import attention_shape, load_model
+    from .models import attention_shape, load_model, required_bos
 
     artifact = RotationArtifact.load(rotations) if rotations else None
     model, tokenizer = load_model(model_name, device=device)
@@ -109,7 +114,7 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
         apply_budget(artifact, attention_shape(model), CacheConfig(), max_bits,
                      artifact.calibration.get("budget", {}).get("context", 32768))
     results = evaluate_methods(model, _tokens(tokenizer, text), methods, quant, CacheConfig(), context,
-                               max_tokens, artifact)
+                               max_tokens, artifact, required_bos(model, tokenizer))
     reference = next((r.ppl for r in results if r.method == "bf16"), None)
     rows = []
     for r in results:

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .assets import SMOLLM2_GGUF, asset_path, cache_dir
+from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, asset_path, assembled_path, cache_dir
 from .calibration.artifact import ModelIdentity
 from .errors import AssetError, UnsupportedModelError
 
-ALIASES = {"smollm2-135m": SMOLLM2_GGUF}
+ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "gemma3-270m": GEMMA3_GGUF, "qwen2.5-coder-1.5b": QWEN25_CODER_GGUF}
 DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
 
@@ -73,6 +73,17 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             f"oscarkv supports {', '.join(SUPPORTED_TYPES)}-style attention (q/k/v/o projections)."
         )
     return [found[i] for i in range(shape.num_layers)]
+
+
+def required_bos(model: nn.Module, tokenizer) -> int | None:
+    """The token every sequence must start with, when the family needs one the tokenizer does not add.
+
+    Gemma models are trained with <bos> first and produce garbage without it (perplexity
+    ~10^4 on prose); GGUF tokenizers do not add it. Other families here need none.
+    """
+    if text_config(model).model_type.startswith("gemma") and tokenizer.bos_token_id is not None:
+        return int(tokenizer.bos_token_id)
+    return None
 
 
 def check_supported(model: nn.Module) -> None:
@@ -146,7 +157,8 @@ def _convert_gguf(gguf: Path) -> Path:
 def resolve_model(name: str) -> Path:
     """MODEL argument -> a local HF directory."""
     if name in ALIASES:
-        return _convert_gguf(asset_path(ALIASES[name]))
+        asset = ALIASES[name]
+        return _convert_gguf(assembled_path(asset) if isinstance(asset, PartedAsset) else asset_path(asset))
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _convert_gguf(path)

@@ -98,7 +98,8 @@ class RotationArtifact:
 
     @property
     def centered(self) -> bool:
-        return all(layer.k_mean is not None for layer in self.layers)
+        """True when some layer centers its keys or values."""
+        return any(layer.k_mean is not None or layer.v_mean is not None for layer in self.layers)
 
     def metadata(self) -> dict:
         return {

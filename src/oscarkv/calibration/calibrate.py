@@ -61,10 +61,17 @@ class CalibrationConfig:
             raise OscarError(f"max_bits={self.max_bits} must be >= 0 (0 = pure INT2).")
 
 
-def token_chunks(token_ids: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
-    """Split a 1-D token stream into full chunks of `chunk_tokens` (the remainder is dropped)."""
-    n = token_ids.numel() // chunk_tokens
-    return [token_ids[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n)]
+def token_chunks(token_ids: torch.Tensor, chunk_tokens: int, bos_id: int | None = None) -> list[torch.Tensor]:
+    """Split a 1-D token stream into full chunks of `chunk_tokens` (the remainder is dropped).
+
+    With `bos_id`, every chunk is that token followed by chunk_tokens - 1 tokens of text.
+    """
+    body = chunk_tokens - (bos_id is not None)
+    n = token_ids.numel() // body
+    chunks = [token_ids[i * body : (i + 1) * body] for i in range(n)]
+    if bos_id is not None:
+        chunks = [torch.cat([torch.tensor([bos_id], dtype=c.dtype), c]) for c in chunks]
+    return chunks
 
 
 def _run(model, chunks: list[torch.Tensor], collector: Collector, progress: tqdm) -> None:
@@ -77,7 +84,7 @@ def _run(model, chunks: list[torch.Tensor], collector: Collector, progress: tqdm
 
 def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: CalibrationConfig = CalibrationConfig(),
               sources: list[str] | None = None, show_progress: bool = True,
-              cache: CacheConfig = CacheConfig()) -> RotationArtifact:
+              cache: CacheConfig = CacheConfig(), bos_id: int | None = None) -> RotationArtifact:
     """Calibrate rotations for `model` on the token stream `token_ids` ([N] long).
 
     The first chunk is a warm-up and is skipped (as in the reference); the next
@@ -94,7 +101,7 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         return data_free_artifact(model, config.method, quant)
     check_power_of_two(shape.head_dim)
     product = config.method == "oscar"
-    chunks = token_chunks(token_ids.reshape(-1), config.chunk_tokens)
+    chunks = token_chunks(token_ids.reshape(-1), config.chunk_tokens, bos_id)
     needed = 1 + config.min_chunks + (1 if product else 0)
     if len(chunks) < needed:
         held = " and one is held apart to score the per-layer choices" if product else ""

@@ -31,10 +31,12 @@ class Candidate:
 
 def roundtrip(x: torch.Tensor, mean: torch.Tensor | None, rotation: torch.Tensor, bits: int, group_size: int,
               clip: float) -> torch.Tensor:
-    """x [Hkv, T, d] as read back from the cache: ((x - μ)·R) quantized, then ·Rᵀ + μ (float64)."""
+    """x [Hkv, T, d] as read back from the cache: ((x - μ)·R) quantized, then ·Rᵀ + μ."""
+    rotation = rotation.to(device=x.device, dtype=x.dtype)
+    mean = mean.to(device=x.device, dtype=x.dtype) if mean is not None else None
     centered = x - mean[:, None, :] if mean is not None else x
     rotated = centered @ rotation
-    restored = dequantize(quantize(rotated, bits, group_size, clip), torch.float64) @ rotation.T
+    restored = dequantize(quantize(rotated, bits, group_size, clip), x.dtype) @ rotation.T
     return restored + mean[:, None, :] if mean is not None else restored
 
 
@@ -49,7 +51,7 @@ def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hist:
                       lo: torch.Tensor, visible: torch.Tensor, first_query: int) -> torch.Tensor:
     """Attention [Hq, Tq, d] of queries from `first_query` on, reading history pairs from k_hist/v_hist.
 
-    q: [Hq, T, d]; k, v, k_hist, v_hist: [Hkv, T, d] (float64); lo, visible: [T, T] masks.
+    q: [Hq, T, d]; k, v, k_hist, v_hist: [Hkv, T, d]; lo, visible: [T, T] masks.
     """
     hq, t, d = q.shape
     hkv = k.shape[0]
@@ -69,8 +71,8 @@ class LayerScorer:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: int, recent: int,
                  group_size: int, sliding_window: int | None = None) -> None:
-        # q: [Hq, T, d], k, v: [Hkv, T, d]
-        self.q, self.k, self.v = q.double(), k.double(), v.double()
+        # q: [Hq, T, d], k, v: [Hkv, T, d]; float32 is ample for relative errors of 1e-5 and up
+        self.q, self.k, self.v = q.float(), k.float(), v.float()
         self.group_size = group_size
         tokens = q.shape[1]
         self.first_query = min(tokens - 1, sink + recent)
@@ -79,20 +81,20 @@ class LayerScorer:
         if sliding_window:
             self.visible = self.visible.triu(-(sliding_window - 1))
         self.exact = self._attend(self.k, self.v)
-        self.norm = self.exact.pow(2).sum().clamp(min=1e-300)
+        self.norm = self.exact.double().pow(2).sum().clamp(min=1e-30)
 
     def _attend(self, k_hist: torch.Tensor, v_hist: torch.Tensor) -> torch.Tensor:
         return attention_outputs(self.q, self.k, self.v, k_hist, v_hist, self.lo, self.visible, self.first_query)
 
     def _error(self, k_hist: torch.Tensor, v_hist: torch.Tensor) -> float:
         out = self._attend(k_hist, v_hist)
-        return float((out - self.exact).pow(2).sum() / self.norm)
+        return float((out - self.exact).double().pow(2).sum() / self.norm)
 
     def key_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
-        return self._error(roundtrip(self.k, mean, rotation.double(), bits, self.group_size, clip), self.v)
+        return self._error(roundtrip(self.k, mean, rotation, bits, self.group_size, clip), self.v)
 
     def value_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
-        return self._error(self.k, roundtrip(self.v, mean, rotation.double(), bits, self.group_size, clip))
+        return self._error(self.k, roundtrip(self.v, mean, rotation, bits, self.group_size, clip))
 
 
 def layer_budget_bits(hist_tokens: list[int], window_tokens: list[int], bits: list[int], bits_per_code: dict[int, float],
@@ -105,37 +107,46 @@ def layer_budget_bits(hist_tokens: list[int], window_tokens: list[int], bits: li
 
 def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
                  sliding_window: int | None = None) -> dict:
-    """Pick the K and V transform and clip of one layer; sets layer.k_rotation / v_rotation.
+    """Pick, for K and for V of one layer, centering, transform and clip; sets the layer's rotations and means.
 
-    q: [Hq, T, d], k, v: [Hkv, T, d] of held-apart tokens. Returns the layer's choice record
-    (transforms, clips, bits = 2, and the predicted errors at INT2 and INT4 and of the paper method).
+    q: [Hq, T, d], k, v: [Hkv, T, d] of held-apart tokens. Candidates: centered or not ×
+    identity / Hadamard / OSCAR (the uncentered OSCAR is the paper's) × the clip grid. Returns
+    the layer's choice record: the picks, bits = 2, and the predicted errors at INT2 and INT4
+    and of the paper method (uncentered OSCAR with the configured clip ratios).
     """
     from .rotations import hadamard
 
     d = k.shape[-1]
     scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size, sliding_window)
     eye, had = torch.eye(d, dtype=torch.float64), hadamard(d)
-    options = {
-        "k": {"identity": eye, "hadamard": had, "oscar": layer.k_rotation.double()},
-        "v": {"identity": eye, "hadamard": had, "oscar": layer.v_rotation.double()},
-    }
+    streams = (
+        ("k", CLIP_GRID_K, layer.k_mean, scorer.key_error, layer.k_rotation, layer.paper_k_rotation,
+         quant.clip_ratio_k),
+        ("v", CLIP_GRID_V, layer.v_mean, scorer.value_error, layer.v_rotation, layer.paper_v_rotation,
+         quant.clip_ratio_v),
+    )
     choice: dict = {"bits": 2}
-    for kind, grid, mean, error, paper, paper_clip in (
-        ("k", CLIP_GRID_K, layer.k_mean, scorer.key_error, layer.paper_k_rotation, quant.clip_ratio_k),
-        ("v", CLIP_GRID_V, layer.v_mean, scorer.value_error, layer.paper_v_rotation, quant.clip_ratio_v),
-    ):
-        scored = {(name, clip): error(rotation, mean, clip, 2) for name, rotation in options[kind].items()
-                  for clip in grid}
-        (name, clip), best = min(scored.items(), key=lambda item: item[1])
+    for kind, grid, mean, error, centered_oscar, paper, paper_clip in streams:
+        options = {}  # (centered, transform) -> rotation
+        for centered, oscar in ((True, centered_oscar), (False, paper)):
+            options.update({(centered, "identity"): eye, (centered, "hadamard"): had,
+                            (centered, "oscar"): oscar.double()})
+        scored = {(centered, name, clip): error(rotation, mean if centered else None, clip, 2)
+                  for (centered, name), rotation in options.items() for clip in grid}
+        (centered, name, clip), best = min(scored.items(), key=lambda item: item[1])
+        rotation = options[(centered, name)]
         choice.update({
+            f"{kind}_centered": centered,
             f"{kind}_transform": name,
             f"clip_{kind}": clip,
             f"error_{kind}": best,
-            f"error_{kind}_int4": error(options[kind][name], mean, clip, 4),
-            f"paper_error_{kind}": error(paper.double(), None, paper_clip, 2) if paper is not None else None,
-            f"candidates_{kind}": {f"{n}@{c:g}": e for (n, c), e in scored.items()},
+            f"error_{kind}_int4": error(rotation, mean if centered else None, clip, 4),
+            f"paper_error_{kind}": error(paper.double(), None, paper_clip, 2),
+            f"candidates_{kind}": {f"{'c' if c else 'u'}:{n}@{cl:g}": e for (c, n, cl), e in scored.items()},
         })
-        setattr(layer, f"{kind}_rotation", options[kind][name].float())
+        setattr(layer, f"{kind}_rotation", rotation.float())
+        if not centered:
+            setattr(layer, f"{kind}_mean", None)
     return choice
 
 
@@ -186,8 +197,10 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
         bits[i] = 4
         if layer_budget_bits(history, windows, bits, per_code, window_bits) > budget + 1e-9:
             bits[i] = 2
-    for layer, b in zip(layers, bits):
+    for i, (layer, b) in enumerate(zip(layers, bits)):
         layer.choice["bits"] = b
+        alone = [4 if j == i else 2 for j in range(len(layers))]
+        layer.choice["int4_cost_bits"] = layer_budget_bits(history, windows, alone, per_code, window_bits) - pure
     summary = {
         "max_bits": budget,
         "context": context,

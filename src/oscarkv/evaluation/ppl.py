@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..calibration.calibrate import token_chunks
 from ..config import CacheConfig, QuantConfig
 from ..errors import InputTooLongError, OscarError
 from ..integrations.transformers import patch_model
@@ -43,11 +44,6 @@ def check_context(model, context: int) -> None:
         )
 
 
-def windows(token_ids: torch.Tensor, context: int) -> list[torch.Tensor]:
-    n = token_ids.numel() // context
-    return [token_ids[i * context : (i + 1) * context] for i in range(n)]
-
-
 def window_nll(model, window: torch.Tensor, scored_from: int) -> tuple[float, int, int]:
     """(sum of NLL, predictions scored, KV bytes) for one window through a fresh oscarkv cache."""
     device = next(model.parameters()).device
@@ -62,7 +58,7 @@ def window_nll(model, window: torch.Tensor, scored_from: int) -> tuple[float, in
 
 
 def perplexity(model, token_ids: torch.Tensor, context: int, max_tokens: int | None = None,
-               desc: str = "ppl") -> tuple[float, int, int]:
+               desc: str = "ppl", bos_id: int | None = None) -> tuple[float, int, int]:
     """(perplexity, tokens scored, KV bytes of one window) of a patched model on `token_ids`."""
     check_context(model, context)
     cache_config = model.oscar.cache
@@ -72,7 +68,7 @@ def perplexity(model, token_ids: torch.Tensor, context: int, max_tokens: int | N
             f"context {context} leaves no position whose history reaches the INT2 region "
             f"(sink {cache_config.sink_tokens} + recent {cache_config.recent_tokens}); use a longer --context."
         )
-    chunks = windows(token_ids.reshape(-1), context)
+    chunks = token_chunks(token_ids.reshape(-1), context, bos_id)
     if not chunks:
         raise OscarError(f"the evaluation text has {token_ids.numel()} tokens, fewer than one window of {context}.")
     total, count, kv_bytes = 0.0, 0, 0
@@ -86,7 +82,7 @@ def perplexity(model, token_ids: torch.Tensor, context: int, max_tokens: int | N
 
 
 def evaluate_methods(model, token_ids: torch.Tensor, methods: list[str], quant: QuantConfig, cache: CacheConfig,
-                     context: int, max_tokens: int | None, artifact=None) -> list[PplResult]:
+                     context: int, max_tokens: int | None, artifact=None, bos_id: int | None = None) -> list[PplResult]:
     """Perplexity of each method on the same windows and positions of `token_ids`."""
     shape = attention_shape(model)
     elements = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * context
@@ -94,6 +90,6 @@ def evaluate_methods(model, token_ids: torch.Tensor, methods: list[str], quant: 
     for name in methods:
         setup = method_setup(name, model, quant, cache, artifact)
         patch_model(model, setup.artifact, setup.quant, setup.cache)
-        ppl, tokens, kv_bytes = perplexity(model, token_ids, context, max_tokens, desc=name)
+        ppl, tokens, kv_bytes = perplexity(model, token_ids, context, max_tokens, desc=name, bos_id=bos_id)
         results.append(PplResult(name, ppl, tokens, 8 * kv_bytes / elements, kv_bytes, context, quant.group_size))
     return results

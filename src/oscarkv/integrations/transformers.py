@@ -57,7 +57,8 @@ def oscar_attention(module: nn.Module, query: torch.Tensor, key, value, attentio
     layer = key
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = layer.rotate(query)
-    return oscar_attention_reference(layer, q, scaling, sliding_window, softcap), None
+    out = oscar_attention_reference(layer, q, scaling, sliding_window, softcap)
+    return out.to(query.dtype), None
 
 
 def register_attention() -> None:
