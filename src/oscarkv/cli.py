@@ -50,7 +50,8 @@ def cmd_calibrate(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device)
     quant = _quant_config(args, attention_shape(model).head_dim)
     config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
-                               max_bits=args.max_bits, budget_context=args.budget_context)
+                               max_bits=args.max_bits, budget_context=args.budget_context,
+                               clip_grid_k=_ratios(args.clip_grid_k), clip_grid_v=_ratios(args.clip_grid_v))
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
@@ -61,6 +62,13 @@ def cmd_calibrate(args) -> int:
           f"{artifact.model.head_dim}, group {quant.group_size}, {info.get('tokens', 0)} calibration tokens, "
           f"{time.time() - started:.0f} s")
     return 0
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise OscarError(f"clip grid {text!r} is not a comma-separated list of numbers (e.g. 0,0.94,0.96).") from exc
 
 
 def print_calibration_report(artifact) -> None:
@@ -155,7 +163,7 @@ def cmd_demo(args) -> int:
     calibrate_args = argparse.Namespace(model=args.model, device=args.device, method="oscar", text=[DEMO_TEXT_CALIBRATION],
                                         chunk_tokens=1024, max_chunks=args.calibration_chunks, out=str(rotations),
                                         group_size=args.group_size, clip_k=None, clip_v=None, max_bits=0,
-                                        budget_context=32768)
+                                        budget_context=32768, clip_grid_k="0,0.96", clip_grid_v="0,0.92")
     cmd_calibrate(calibrate_args)
     quant_args = argparse.Namespace(group_size=args.group_size, clip_k=None, clip_v=None)
     run_ppl(args.model, ["bf16", "oscar", "oscar-paper", "naive", "hadamard"], str(rotations), [DEMO_TEXT_EVALUATION],
@@ -163,8 +171,10 @@ def cmd_demo(args) -> int:
             args.max_tokens, quant_args, args.device, False, str(out / "demo_ppl.png"))
     print(f"\nWhat the numbers mean: ppl is the perplexity of the held-out news text with the KV history stored by "
           f"each method; '÷ bf16' is its ratio to the BF16 cache (1.000 = no loss); bits/elt is the measured "
-          f"storage of one {args.context}-token window per K/V element, BF16 windows included. naive = INT2 "
-          f"without rotation, hadamard = INT2 after a Walsh-Hadamard rotation (QuaRot-style).")
+          f"storage of one {args.context}-token window per K/V element, BF16 windows included. oscar = this "
+          f"package's method (centering and a per-layer transform and clip, pure INT2 here); oscar-paper = the "
+          f"published method; naive = INT2 without rotation; hadamard = INT2 after a Walsh-Hadamard rotation "
+          f"(QuaRot-style).")
     print(f"demo finished in {time.time() - started:.0f} s; rotations in {rotations}")
     return 0
 
@@ -191,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits per element allowed (default: pure INT2 + 0.25, letting the worst layers use INT4; "
                         "0 = pure INT2)")
     p.add_argument("--budget-context", type=int, default=32768, help="context at which the budget is counted")
+    p.add_argument("--clip-grid-k", default="0,0.9,0.93,0.96,0.98",
+                   help="key clip ratios tried per layer (method oscar; default %(default)s)")
+    p.add_argument("--clip-grid-v", default="0,0.88,0.92,0.95,0.98",
+                   help="value clip ratios tried per layer (method oscar; default %(default)s)")
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--max-chunks", type=int, default=16, help="chunks used after the skipped warm-up chunk")
     p.add_argument("--device", default=None)
@@ -219,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="oscarkv-demo")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--max-tokens", type=int, default=6000)
+    p.add_argument("--max-tokens", type=int, default=5000)
     p.add_argument("--calibration-chunks", type=int, default=8)
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_demo)

@@ -27,6 +27,7 @@ from ..models import attention_shape, model_identity
 from .artifact import LayerRotation, RotationArtifact
 from .collect import Collector, collecting
 from .rotations import check_power_of_two, compose_rotation, sorted_eigh
+from .selection import CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
 DEFAULT_EXTRA_BITS = 0.25  # default budget: pure INT2 + this many bits per element
@@ -49,6 +50,8 @@ class CalibrationConfig:
     min_chunks: int = 2
     max_bits: float | None = None
     budget_context: int = 32768
+    clip_grid_k: tuple[float, ...] = CLIP_GRID_K  # clip ratios the product tries for keys
+    clip_grid_v: tuple[float, ...] = CLIP_GRID_V  # and for values
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -57,6 +60,9 @@ class CalibrationConfig:
             raise OscarError(f"chunk_tokens={self.chunk_tokens} is too small; use at least 16 (default 1024).")
         if not 1 <= self.min_chunks <= self.max_chunks:
             raise OscarError(f"need 1 <= min_chunks ({self.min_chunks}) <= max_chunks ({self.max_chunks}).")
+        for grid in (self.clip_grid_k, self.clip_grid_v):
+            if not grid or any(not c <= 1.0 for c in grid):
+                raise OscarError(f"clip grid {grid} must be a non-empty list of ratios <= 1 (0 = no clip).")
         if self.max_bits is not None and self.max_bits < 0:
             raise OscarError(f"max_bits={self.max_bits} must be >= 0 (0 = pure INT2).")
 
@@ -124,11 +130,10 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         _run(model, chunks, collector, progress)
         layers = [_layer_rotations(collector.stats[i], config.method) for i in range(shape.num_layers)]
         if product:
-            from .selection import choose_layer
-
             def score(layer: int, q, k, v) -> None:
                 sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
-                layers[layer].choice = choose_layer(layers[layer], q[0], k[0], v[0], quant, cache, sliding)
+                layers[layer].choice = choose_layer(layers[layer], q[0], k[0], v[0], quant, cache, sliding,
+                                                    config.clip_grid_k, config.clip_grid_v)
 
             collector.on_layer = score
             _run(model, [held_apart], collector, progress)
@@ -138,14 +143,14 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         "chunks": len(chunks),
         "warmup_chunks_skipped": 1,
         "held_apart_tokens": config.chunk_tokens if product else 0,
+        "clip_grid_k": list(config.clip_grid_k) if product else None,
+        "clip_grid_v": list(config.clip_grid_v) if product else None,
         "sources": list(sources or []),
         "model_source": getattr(model, "oscar_source", None),
     }
     artifact = RotationArtifact(config.method, model_identity(model), layers, quant.group_size, quant.clip_ratio_k,
                                 quant.clip_ratio_v, calibration)
     if product:
-        from .selection import apply_budget
-
         apply_budget(artifact, shape, cache, config.max_bits, config.budget_context)
     return artifact
 
