@@ -216,7 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = eval_sub.add_parser("ppl", help="perplexity per method on the same text and positions")
     e.add_argument("model")
     e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
-    e.add_argument("--methods", default="bf16,oscar,oscar-paper,naive,hadamard")
+    from .methods import DESCRIPTIONS
+
+    e.add_argument("--methods", default="bf16,oscar,oscar-paper,naive,hadamard",
+                   help="comma-separated: " + "; ".join(f"{name}: {text}" for name, text in DESCRIPTIONS.items()))
     e.add_argument("--max-bits", type=float, default=None,
                    help="re-apply a bit budget to the artifact's per-layer errors (0 = pure INT2)")
     e.add_argument("--text", nargs="+", default=[DEMO_TEXT_EVALUATION])
