@@ -154,3 +154,14 @@ def test_nbytes_counts_codes_scales_and_zeros():
 def test_quant_config_validates(kwargs):
     with pytest.raises(OscarError):
         QuantConfig(**kwargs)
+
+
+def test_layers_bits_per_element_weighs_what_each_layer_holds():
+    from oscarkv.quant import layers_bits_per_element
+
+    cache, quant = CacheConfig(), QuantConfig(group_size=128)
+    # a full layer at 32K in INT4 and a sliding layer holding 576 tokens in INT2
+    bits = layers_bits_per_element([32448, 256], [320, 320], [4, 2], cache, quant)
+    expected = (32448 * 4.25 + 256 * 2.25 + 640 * 16) / (32768 + 576)
+    assert math.isclose(bits, expected)
+    assert layers_bits_per_element([], [], [], cache, quant) == 0.0

@@ -105,14 +105,6 @@ class LayerScorer:
         return self._error(self.k, roundtrip(self.v, mean, rotation, bits, self.group_size, clip))
 
 
-def layer_budget_bits(hist_tokens: list[int], window_tokens: list[int], bits: list[int], bits_per_code: dict[int, float],
-                      window_bits: int = 16) -> float:
-    """Average stored bits per element over layers holding hist/window tokens with per-layer code bits."""
-    total = sum(h * bits_per_code[b] + w * window_bits for h, w, b in zip(hist_tokens, window_tokens, bits))
-    elements = sum(h + w for h, w in zip(hist_tokens, window_tokens))
-    return total / max(elements, 1)
-
-
 def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
                  sliding_window: int | None = None, clip_grid_k: tuple[float, ...] = CLIP_GRID_K,
                  clip_grid_v: tuple[float, ...] = CLIP_GRID_V) -> dict:
@@ -178,15 +170,19 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
     max_bits: None = pure INT2 + 0.25 bits per element; 0 = pure INT2. Counted in bytes over what
     each layer really holds at `context` tokens. Records and returns the budget summary.
     """
+    from ..config import QuantConfig
     from ..errors import CalibrationError
-    from ..quant.format import bits_per_element
+    from ..quant.accounting import layers_bits_per_element
 
     history, windows = held_tokens(shape, cache, context)
-    per_code = {b: bits_per_element(b, artifact.group_size) for b in (2, 4)}
-    window_bits = torch.finfo(cache.window_dtype).bits
+    quant = QuantConfig(group_size=artifact.group_size)
+
+    def cost(code_bits: list[int]) -> float:
+        return layers_bits_per_element(history, windows, code_bits, cache, quant)
+
     layers = artifact.layers
     bits = [2] * len(layers)
-    pure = layer_budget_bits(history, windows, bits, per_code, window_bits)
+    pure = cost(bits)
     if max_bits is None:
         budget = pure + 0.25
     elif max_bits == 0:
@@ -204,17 +200,17 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
     order = sorted(range(len(layers)), key=lambda i: -(layers[i].choice["error_k"] + layers[i].choice["error_v"]))
     for i in order:
         bits[i] = 4
-        if layer_budget_bits(history, windows, bits, per_code, window_bits) > budget + 1e-9:
+        if cost(bits) > budget + 1e-9:
             bits[i] = 2
     for i, (layer, b) in enumerate(zip(layers, bits)):
         layer.choice["bits"] = b
         alone = [4 if j == i else 2 for j in range(len(layers))]
-        layer.choice["int4_cost_bits"] = layer_budget_bits(history, windows, alone, per_code, window_bits) - pure
+        layer.choice["int4_cost_bits"] = cost(alone) - pure
     summary = {
         "max_bits": budget,
         "context": context,
         "pure_int2_bits_per_element": pure,
-        "bits_per_element": layer_budget_bits(history, windows, bits, per_code, window_bits),
+        "bits_per_element": cost(bits),
         "int4_layers": [i for i, b in enumerate(bits) if b == 4],
     }
     artifact.calibration["budget"] = summary

@@ -1,6 +1,6 @@
 """The low-bit KV format (INT2, INT4 fallback) and the bits-per-element accounting."""
 
-from .accounting import cache_bits_per_element
+from .accounting import cache_bits_per_element, layers_bits_per_element
 from .format import (
     Int2Tensor,
     QuantizedTensor,
@@ -26,6 +26,7 @@ __all__ = [
     "dequantize",
     "dequantize_int2",
     "int2_bits_per_element",
+    "layers_bits_per_element",
     "pack_codes",
     "pack_int2",
     "quantize",
