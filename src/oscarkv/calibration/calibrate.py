@@ -30,7 +30,6 @@ from .rotations import check_power_of_two, compose_rotation, sorted_eigh
 from .selection import CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
-DEFAULT_EXTRA_BITS = 0.25  # default budget: pure INT2 + this many bits per element
 HIGH_ERROR = 0.05  # predicted relative attention-output error above which calibration warns
 
 

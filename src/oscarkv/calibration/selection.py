@@ -10,26 +10,16 @@ Keys and values are scored separately (their errors add to first order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..quant.format import dequantize, quantize
 
-TRANSFORMS = ("identity", "hadamard", "oscar")
 # Clip ratios tried per layer. The finer grids won on Qwen2.5-Coder-1.5B (docs/results.md);
 # the demo passes the two-point grids (no clip, or the paper's ratio) to stay fast on a CPU.
 CLIP_GRID_K = (0.0, 0.9, 0.93, 0.96, 0.98)
 CLIP_GRID_V = (0.0, 0.88, 0.92, 0.95, 0.98)
 SCORED_QUERIES = 256
-
-
-@dataclass(frozen=True)
-class Candidate:
-    transform: str
-    clip: float
-    bits: int
-    centered: bool = True
+DEFAULT_EXTRA_BITS = 0.25  # default budget: pure INT2 + this many bits per element
 
 
 def roundtrip(x: torch.Tensor, mean: torch.Tensor | None, rotation: torch.Tensor, bits: int, group_size: int,
@@ -136,13 +126,16 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
                   for (centered, name), rotation in options.items() for clip in grid}
         (centered, name, clip), best = min(scored.items(), key=lambda item: item[1])
         rotation = options[(centered, name)]
+        # The paper method is one of the candidates when its clip ratio is on the grid.
+        paper_key = (False, "oscar", paper_clip)
+        paper_error = scored[paper_key] if paper_key in scored else error(paper.double(), None, paper_clip, 2)
         choice.update({
             f"{kind}_centered": centered,
             f"{kind}_transform": name,
             f"clip_{kind}": clip,
             f"error_{kind}": best,
             f"error_{kind}_int4": error(rotation, mean if centered else None, clip, 4),
-            f"paper_error_{kind}": error(paper.double(), None, paper_clip, 2),
+            f"paper_error_{kind}": paper_error,
             f"candidates_{kind}": {f"{'c' if c else 'u'}:{n}@{cl:g}": e for (c, n, cl), e in scored.items()},
         })
         setattr(layer, f"{kind}_rotation", rotation.float())
@@ -184,7 +177,7 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
     bits = [2] * len(layers)
     pure = cost(bits)
     if max_bits is None:
-        budget = pure + 0.25
+        budget = pure + DEFAULT_EXTRA_BITS
     elif max_bits == 0:
         budget = pure
     elif max_bits < pure - 1e-9:
