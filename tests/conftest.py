@@ -1,9 +1,19 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Without a GPU the Triton kernels run in the CPU interpreter. This must be decided before
+# the kernel modules are imported (triton.jit reads it when a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import interpreter_speedup
+
+    interpreter_speedup.install()
 
 
 @pytest.fixture(scope="session")

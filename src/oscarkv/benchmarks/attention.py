@@ -1,0 +1,199 @@
+"""`oscarkv bench attention`: the INT2 decode kernel against BF16 SDPA on the same cache contents.
+
+One attention layer with the shapes of Qwen3-4B/8B (32 query heads, 8 KV heads,
+head_dim 128), group 128, INT2 history, sink 64, recent 256, pages of 64 tokens. For
+each (batch, context) the cache is filled with random codes, scales and windows; the
+BF16 baseline attends over exactly those values, dequantized, with torch SDPA (flash
+backend where it runs). Both are timed in the same process with CUDA graphs (launch
+overhead excluded for both), and the achieved bandwidth is the bytes that must be read
+divided by the time, against the measured device-to-device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..cache.paged import PagedKVCache, PagedLayout
+from ..errors import OscarError
+from ..kernels import reference
+from ..kernels.ops import attend_step, choose_splits, write_step
+
+DEFAULT_SHAPES = ((1, 8192), (1, 32768), (1, 65536), (1, 131072), (32, 8192), (32, 32768))
+
+
+@dataclass
+class AttentionResult:
+    batch: int
+    context: int
+    sdpa_us: float
+    int2_us: float
+    speedup: float
+    sdpa_bytes: int
+    int2_bytes: int
+    sdpa_bandwidth_gbs: float
+    int2_bandwidth_gbs: float
+    int2_bandwidth_fraction: float  # of the measured copy bandwidth
+    copy_bandwidth_gbs: float
+    max_abs_error: float  # kernel vs torch reference of the same cache
+    sdpa_gap: float  # kernel vs BF16 SDPA over the same (dequantized) contents
+    splits: int
+    sdpa_backend: str
+
+
+@dataclass
+class WriteResult:
+    tokens: int
+    microseconds: float
+    tokens_per_s: float
+    bytes_moved: int
+    bandwidth_gbs: float
+    bandwidth_fraction: float
+
+
+def _time_us(fn, graph: bool = True) -> float:
+    import triton.testing
+
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=100) * 1e3
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth: (read + write bytes) / time of a large copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = _time_us(lambda: dst.copy_(src), graph=False)
+    return 2 * nbytes / us / 1e3
+
+
+def _layout(kv_heads: int, head_dim: int, group: int) -> PagedLayout:
+    return PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=group, bits=2, page_size=64,
+                       sink_tokens=64, recent_tokens=256)
+
+
+def _fill_random(cache: PagedKVCache, generator: torch.Generator) -> None:
+    for layer in cache.layers:
+        for codes in (layer.k_codes, layer.v_codes):
+            codes.copy_(torch.randint(0, 256, codes.shape, dtype=torch.uint8, generator=generator))
+        for scale in (layer.k_scale, layer.v_scale):
+            scale.copy_(torch.rand(scale.shape, generator=generator).mul(0.5).add(0.2).half())
+        for zero in (layer.k_zero, layer.v_zero):
+            zero.copy_(torch.rand(zero.shape, generator=generator).mul(3).half())
+        for window in (layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v):
+            window.copy_(torch.randn(window.shape, generator=generator).bfloat16())
+
+
+def _sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                 group: int = 128, copy_gbs: float | None = None, seed: int = 0) -> AttentionResult:
+    device = torch.device("cuda")
+    layout = _layout(kv_heads, head_dim, group)
+    cache = PagedKVCache([layout], batch * layout.pages_needed(context), batch, context, device)
+    gen = torch.Generator().manual_seed(seed)
+    layer = cache.layers[0]
+    _fill_random(cache, gen)
+    slots = [cache.open_slot() for _ in range(batch)]
+    for slot in slots:  # every slot already holds context - 1 tokens; the step adds one
+        cache.reserve(slot, context)
+        cache.lengths[slot] = context - 1
+    step = cache.step(slots, [1] * batch)
+    q = torch.randn(batch, query_heads, head_dim, generator=gen).bfloat16().to(device)
+    k_new = torch.randn(batch, kv_heads, head_dim, generator=gen).bfloat16().to(device)
+    v_new = torch.randn(batch, kv_heads, head_dim, generator=gen).bfloat16().to(device)
+    scale = head_dim ** -0.5
+    splits = choose_splits(layer, batch, 1, query_heads, context, device)
+    out = torch.empty_like(q)
+    workspace = (torch.empty(batch, query_heads, splits, head_dim, dtype=torch.float32, device=device),
+                 torch.empty(batch, query_heads, splits, dtype=torch.float32, device=device))
+
+    def int2():
+        attend_step(layer, step, q, k_new, v_new, scale, num_splits=splits, out=out, workspace=workspace,
+                    validate=False)
+
+    int2()
+    expected = reference.attention_reference(layer, step, q, k_new, v_new, scale)
+    error = (out.float() - expected).abs().max().item()
+    # The same contents as BF16 tensors in position order, for SDPA.
+    end = layout.history_end(context)
+    keys, values = [], []
+    for b, slot in enumerate(slots):
+        k_b, v_b = reference.stored_kv_reference(layer, cache.block_table, slot, context - 1, end)
+        keys.append(torch.cat([k_b, k_new[b, :, None].float()], dim=1).bfloat16())
+        values.append(torch.cat([v_b, v_new[b, :, None].float()], dim=1).bfloat16())
+    del expected
+    k_full, v_full = torch.stack(keys), torch.stack(values)  # [B, Hkv, context, D]
+    del keys, values
+    q4 = q[:, :, None]  # [B, Hq, 1, D]
+    backend = "flash"
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            _sdpa(q4, k_full, v_full)
+        sdpa_fn = lambda: _sdpa_flash(q4, k_full, v_full)  # noqa: E731
+    except RuntimeError:
+        backend = "default"
+        sdpa_fn = lambda: _sdpa(q4, k_full, v_full)  # noqa: E731
+    reference_out = sdpa_fn()[:, :, 0]
+    sdpa_gap = (reference_out.float() - out.float()).abs().max().item()
+    sdpa_us = _time_us(sdpa_fn)
+    int2_us = _time_us(int2)
+    hist = (end - layout.sink_tokens) * batch * kv_heads
+    int2_bytes = (hist * layout.history_bytes_per_token()
+                  + batch * kv_heads * (context - 1 - (end - layout.sink_tokens) + 1) * head_dim * 2 * 2
+                  + 2 * q.numel() * 2)
+    sdpa_bytes = 2 * k_full.numel() * 2 + 2 * q.numel() * 2
+    copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
+    int2_gbs = int2_bytes / int2_us / 1e3
+    return AttentionResult(batch, context, sdpa_us, int2_us, sdpa_us / int2_us, sdpa_bytes, int2_bytes,
+                           sdpa_bytes / sdpa_us / 1e3, int2_gbs, int2_gbs / copy_gbs, copy_gbs, error, sdpa_gap,
+                           splits, backend)
+
+
+def _sdpa_flash(q, k, v):
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return _sdpa(q, k, v)
+
+
+def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, group: int = 128,
+                copy_gbs: float | None = None) -> WriteResult:
+    """Write path of a prompt of `tokens` tokens into an empty cache (center, rotate, quantize, pack)."""
+    device = torch.device("cuda")
+    layout = _layout(kv_heads, head_dim, group)
+    cache = PagedKVCache([layout], layout.pages_needed(tokens), 1, tokens, device)
+    slot = cache.open_slot()
+    step = cache.step([slot], [tokens])
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).bfloat16().to(device)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).bfloat16().to(device)
+    rotation, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
+    rotation = rotation.float().to(device)
+    mean = torch.randn(kv_heads, head_dim, generator=gen).to(device)
+    layer = cache.layers[0]
+    us = _time_us(lambda: write_step(layer, step, k, v, rotation, mean, 0.96, 0.92, validate=False), graph=False)
+    hist = layout.history_end(tokens) - layout.sink_tokens
+    window_tokens = tokens - hist
+    moved = (2 * k.numel() * 2  # read K and V
+             + k.numel() * 2  # write the rotated keys the step's attention reads
+             + hist * kv_heads * layout.history_bytes_per_token()
+             + 2 * window_tokens * kv_heads * head_dim * 2)
+    copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
+    gbs = moved / us / 1e3
+    return WriteResult(tokens, us, tokens / us * 1e6, moved, gbs, gbs / copy_gbs)
+
+
+def run(shapes=DEFAULT_SHAPES, write_tokens: int = 32768) -> dict:
+    if not torch.cuda.is_available():
+        raise OscarError("`oscarkv bench attention` measures GPU kernels and needs a CUDA GPU; none is visible.")
+    device = torch.device("cuda")
+    copy_gbs = copy_bandwidth_gbs(device)
+    rows = []
+    for batch, context in shapes:
+        rows.append(asdict(bench_decode(batch, context, copy_gbs=copy_gbs)))
+        torch.cuda.empty_cache()
+    write = asdict(bench_write(write_tokens, copy_gbs=copy_gbs))
+    return {"device": torch.cuda.get_device_name(device), "copy_bandwidth_gbs": copy_gbs, "decode": rows,
+            "write": write, "torch": torch.__version__}

@@ -1,0 +1,163 @@
+"""The one switch point between the Triton kernels and their torch references.
+
+`write_step` and `attend_step` take the same arguments whatever runs them; `backend`
+"auto" picks Triton for CUDA tensors when Triton is installed (or when TRITON_INTERPRET=1
+asks for the interpreter, as the CPU tests do) and the torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..cache.paged import PagedLayer, StepBatch
+from ..errors import OscarError
+from . import reference
+
+BACKENDS = ("auto", "triton", "torch")
+WINDOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"triton" or "torch" for tensors on `device`; explains what is missing when Triton cannot run."""
+    if backend not in BACKENDS:
+        raise OscarError(f"backend={backend!r} is not one of {BACKENDS}.")
+    can_run = triton_available() and (device.type == "cuda" or interpreting())
+    if backend == "auto":
+        return "triton" if can_run else "torch"
+    if backend == "triton" and not can_run:
+        why = "Triton is not installed (pip install triton)" if not triton_available() else \
+            f"the tensors are on {device}, not a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
+        raise OscarError(f"the Triton backend cannot run: {why}; use backend='torch' for the reference.")
+    return backend
+
+
+def _check_inputs(layer: PagedLayer, batch: StepBatch, *named: tuple[str, torch.Tensor, int | None]) -> None:
+    lay = layer.layout
+    if layer.ring_k.dtype not in WINDOW_DTYPES:
+        raise OscarError(f"window dtype {layer.ring_k.dtype} is not supported by the kernels; use bfloat16.")
+    for name, x, heads in named:
+        if x.dim() != 3 or x.shape[2] != lay.head_dim or (heads is not None and x.shape[1] != heads):
+            raise OscarError(f"{name} must be [tokens, {heads or 'heads'}, {lay.head_dim}], got {tuple(x.shape)}.")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise OscarError(f"{name} has dtype {x.dtype}; the kernels take bfloat16, float16 or float32.")
+        if not x.is_contiguous():
+            raise OscarError(f"{name} must be contiguous.")
+        if x.device != layer.k_codes.device:
+            raise OscarError(f"{name} is on {x.device} but the cache is on {layer.k_codes.device}.")
+    for name, t in (("slots", batch.slots), ("cu_new", batch.cu_new), ("lengths", batch.lengths),
+                    ("block_table", batch.block_table)):
+        if t.dtype != torch.int32:
+            raise OscarError(f"StepBatch.{name} must be int32, got {t.dtype}.")
+
+
+def check_block_table(layer: PagedLayer, batch: StepBatch) -> None:
+    """Every page a step may touch exists (synchronises with the device: eager mode only)."""
+    lay = layer.layout
+    cu = batch.cu_new.tolist()
+    table = batch.block_table
+    for b, (slot, old) in enumerate(zip(batch.slots.tolist(), batch.lengths.tolist())):
+        if not 0 <= slot < table.shape[0]:
+            raise OscarError(f"slot {slot} is outside the block table ({table.shape[0]} slots).")
+        pages = lay.pages_needed(old + cu[b + 1] - cu[b])
+        if pages > table.shape[1]:
+            raise OscarError(f"slot {slot} needs {pages} pages but the block table has {table.shape[1]} columns.")
+        used = table[slot, :pages]
+        if pages and (int(used.min()) < 0 or int(used.max()) >= layer.num_pages):
+            raise OscarError(
+                f"the block table of slot {slot} points outside the {layer.num_pages} pages of the cache "
+                f"(ids {int(used.min())}..{int(used.max())}); reserve pages through PagedKVCache.step."
+            )
+
+
+def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Tensor,
+               rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None, clip_k: float = 0.0,
+               clip_v: float = 0.0, backend: str = "auto", validate: bool = True) -> torch.Tensor:
+    """Store a step's new keys/values ([T, Hkv, D], after RoPE) in the paged cache.
+
+    rotation: [D, D] R_K or None; mean: [Hkv, D] μ_K or None. Returns the rotated keys
+    [T, Hkv, D] in the window dtype, which `attend_step` reads for the step's own tokens.
+    validate=False skips the checks that synchronise with the device (CUDA-graph capture).
+    """
+    lay = layer.layout
+    _check_inputs(layer, batch, ("k", k, lay.kv_heads), ("v", v, lay.kv_heads))
+    if validate:
+        check_block_table(layer, batch)
+        if int(batch.cu_new[-1]) != k.shape[0]:
+            raise OscarError(f"cu_new says {int(batch.cu_new[-1])} new tokens but k has {k.shape[0]}.")
+    if rotation is not None:
+        rotation = rotation.to(device=k.device, dtype=torch.float32).contiguous()
+    if mean is not None:
+        mean = mean.to(device=k.device, dtype=torch.float32).contiguous()
+    if resolve_backend(backend, k.device) == "torch":
+        return reference.write_reference(layer, batch, k, v, rotation, mean, clip_k, clip_v)
+    from .triton_write import launch_write
+
+    k_rot = torch.empty(k.shape, dtype=layer.ring_k.dtype, device=k.device)
+    launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k, clip_v)
+    return k_rot
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
+                  device: torch.device) -> int:
+    """Sequence splits per (sequence, KV head): enough programs to fill the GPU about 4 times over,
+    and at least ~512 history tokens per split. 1 (no merge) when the query blocks alone fill it."""
+    lay = layer.layout
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+    m_blocks = -(-max_new * (query_heads // lay.kv_heads) // 16)
+    programs = batch_size * lay.kv_heads * m_blocks
+    if programs >= 2 * sms:
+        return 1
+    wanted = -(-4 * sms // programs)
+    by_length = max(1, (max_context - lay.sink_tokens) // 512)
+    return max(2, min(wanted, by_length) + 1)
+
+
+def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+                scale: float, window: int = 0, backend: str = "auto", num_splits: int | None = None,
+                max_context: int | None = None, out: torch.Tensor | None = None,
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True) -> torch.Tensor:
+    """Attention of a step's queries q [T, Hq, D] (rotated by R_K) over the cache and the step itself.
+
+    k_rot, v: [T, Hkv, D] from `write_step` (call it first). Returns [T, Hq, D] in q.dtype.
+    num_splits / out / workspace: fix them (with validate=False) for a CUDA-graph-captured step.
+    """
+    lay = layer.layout
+    _check_inputs(layer, batch, ("q", q, None), ("k_rot", k_rot, lay.kv_heads), ("v", v, lay.kv_heads))
+    if q.shape[1] % lay.kv_heads:
+        raise OscarError(f"{q.shape[1]} query heads are not a multiple of {lay.kv_heads} KV heads.")
+    if validate:
+        check_block_table(layer, batch)
+    if resolve_backend(backend, q.device) == "torch":
+        return reference.attention_reference(layer, batch, q, k_rot, v, scale, window).to(q.dtype)
+    from .triton_attention import launch_attention
+
+    if num_splits is None:
+        context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
+        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1], context, q.device)
+    out = torch.empty_like(q) if out is None else out
+    if num_splits > 1 and workspace is None:
+        workspace = (torch.empty(q.shape[0], q.shape[1], num_splits, q.shape[2], dtype=torch.float32, device=q.device),
+                     torch.empty(q.shape[0], q.shape[1], num_splits, dtype=torch.float32, device=q.device))
+    launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace)
+    return out

@@ -1,0 +1,319 @@
+"""Triton write path: center + rotate + clip + quantize + pack + store, and the ring flush.
+
+Two launches per layer and step, in this order:
+1. `_flush_kernel` moves the ring tokens that age into the history to their pages;
+2. `_write_kernel` rotates the step's new keys ((k - μ_K)·R_K in float32, rounded to the
+   window dtype), returns them for the step's own attention, and stores every new token
+   in its region: sink, ring, or quantized straight into a page (long prompts).
+The order matters: a new token may take the ring row of a token the flush just moved.
+
+Rows are processed as four contiguous quarters of D/4 channels, the planar packing of
+`oscarkv.quant.format`: quarter i of a row is code plane i (INT2), so packing is shifts
+and ors of whole tiles and every load and store is contiguous. The quantizer matches
+`quantize` bit for bit on the same input: the clip threshold is the order statistic of
+rank floor(c·D) (found by bisection, see `_order_statistic_abs`), divisions round to nearest, and scale and zero
+are rounded to float16 before the codes are chosen.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SCALE_FLOOR_REL = 2.0**-15  # = quant.format.ZERO_LIMIT_INV
+FP16_SMALLEST = 2.0**-24  # smallest float16 subnormal
+
+
+@triton.jit
+def _group_min(a0, a1, a2, a3, NG: tl.constexpr):
+    """Per-quarter minima -> the minimum of each quarter's group (NG groups per row)."""
+    if NG == 1:
+        m = tl.minimum(tl.minimum(a0, a1), tl.minimum(a2, a3))
+        return m, m, m, m
+    elif NG == 2:
+        m01 = tl.minimum(a0, a1)
+        m23 = tl.minimum(a2, a3)
+        return m01, m01, m23, m23
+    else:
+        return a0, a1, a2, a3
+
+
+@triton.jit
+def _group_max(a0, a1, a2, a3, NG: tl.constexpr):
+    if NG == 1:
+        m = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))
+        return m, m, m, m
+    elif NG == 2:
+        m01 = tl.maximum(a0, a1)
+        m23 = tl.maximum(a2, a3)
+        return m01, m01, m23, m23
+    else:
+        return a0, a1, a2, a3
+
+
+@triton.jit
+def _order_statistic_abs(x0, x1, x2, x3, RANK: tl.constexpr):
+    """Per row, the value of 0-based rank RANK in ascending |x| over the four quarters, exactly.
+
+    Non-negative floats order like their int32 bit patterns, so a bisection over the patterns
+    (31 steps, each a compare-and-count) finds the order statistic without a sort.
+    """
+    joined = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [rows, D/4, 2, 2]: order is irrelevant here
+    bits = tl.reshape(tl.abs(joined), (x0.shape[0], 4 * x0.shape[1])).to(tl.int32, bitcast=True)
+    lo = tl.zeros([x0.shape[0]], tl.int32)
+    hi = tl.full([x0.shape[0]], 0x7F800000, tl.int32)
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        enough = tl.sum((bits <= mid[:, None]).to(tl.int32), 1) > RANK
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    return lo.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_zero(lo, hi, LEVELS: tl.constexpr):
+    """float16-rounded (scale, zero) of a group with range [lo, hi], as float32."""
+    floor = tl.maximum(tl.maximum(tl.abs(lo), tl.abs(hi)) * SCALE_FLOOR_REL, FP16_SMALLEST)
+    scale = tl.maximum(tl.math.div_rn(tl.maximum(hi - lo, 1e-8), LEVELS * 1.0), floor)
+    scale = scale.to(tl.float16).to(tl.float32)
+    zero = tl.math.div_rn(-lo, scale).to(tl.float16).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _codes(x, scale, zero, LEVELS: tl.constexpr):
+    c = tl.floor(tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5)
+    return tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0).to(tl.int32)
+
+
+@triton.jit
+def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, zero_ptr,
+                    HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+                    BITS: tl.constexpr, CLIP_RANK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Quantize rows given as quarters x0..x3 [BLOCK_T, D/4] (float32) into (page, row) of head h."""
+    W: tl.constexpr = D // 4
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    cols = tl.arange(0, W)
+    if CLIP_RANK >= 0:
+        threshold = _order_statistic_abs(x0, x1, x2, x3, CLIP_RANK)[:, None]
+        x0 = tl.minimum(tl.maximum(x0, -threshold), threshold)
+        x1 = tl.minimum(tl.maximum(x1, -threshold), threshold)
+        x2 = tl.minimum(tl.maximum(x2, -threshold), threshold)
+        x3 = tl.minimum(tl.maximum(x3, -threshold), threshold)
+    lo0, lo1, lo2, lo3 = _group_min(tl.min(x0, 1), tl.min(x1, 1), tl.min(x2, 1), tl.min(x3, 1), NG)
+    hi0, hi1, hi2, hi3 = _group_max(tl.max(x0, 1), tl.max(x1, 1), tl.max(x2, 1), tl.max(x3, 1), NG)
+    s0, z0 = _scale_zero(lo0, hi0, LEVELS)
+    s1, z1 = _scale_zero(lo1, hi1, LEVELS)
+    s2, z2 = _scale_zero(lo2, hi2, LEVELS)
+    s3, z3 = _scale_zero(lo3, hi3, LEVELS)
+    c0 = _codes(x0, s0, z0, LEVELS)
+    c1 = _codes(x1, s1, z1, LEVELS)
+    c2 = _codes(x2, s2, z2, LEVELS)
+    c3 = _codes(x3, s3, z3, LEVELS)
+    base = (page.to(tl.int64) * HKV + h) * P + row  # [BLOCK_T] row index into the page arrays
+    code_row = codes_ptr + base[:, None] * (D * BITS // 8) + cols[None, :]
+    if BITS == 2:
+        packed = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
+        tl.store(code_row, packed.to(tl.uint8), mask=valid[:, None])
+    else:
+        tl.store(code_row, (c0 | (c2 << 4)).to(tl.uint8), mask=valid[:, None])
+        tl.store(code_row + W, (c1 | (c3 << 4)).to(tl.uint8), mask=valid[:, None])
+    group = base * NG
+    tl.store(scale_ptr + group, s0.to(tl.float16), mask=valid)
+    tl.store(zero_ptr + group, z0.to(tl.float16), mask=valid)
+    if NG == 2:
+        tl.store(scale_ptr + group + 1, s2.to(tl.float16), mask=valid)
+        tl.store(zero_ptr + group + 1, z2.to(tl.float16), mask=valid)
+    if NG == 4:
+        tl.store(scale_ptr + group + 1, s1.to(tl.float16), mask=valid)
+        tl.store(zero_ptr + group + 1, z1.to(tl.float16), mask=valid)
+        tl.store(scale_ptr + group + 2, s2.to(tl.float16), mask=valid)
+        tl.store(zero_ptr + group + 2, z2.to(tl.float16), mask=valid)
+        tl.store(scale_ptr + group + 3, s3.to(tl.float16), mask=valid)
+        tl.store(zero_ptr + group + 3, z3.to(tl.float16), mask=valid)
+
+
+@triton.jit
+def _history_end(length, S: tl.constexpr, R: tl.constexpr, P: tl.constexpr):
+    return S + P * (tl.maximum(length - S - R, 0) // P)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """float32 x rounded to nearest-even in `dtype`, returned as float32.
+
+    BF16 rounding is done on the bits: the CPU interpreter truncates on .to(tl.bfloat16),
+    the GPU rounds, and both must store what the torch reference stores.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_window(ptr, row, valid, x0, x1, x2, x3, D: tl.constexpr):
+    """Store quarters [BLOCK_T, D/4] at row offsets `row` (in units of D) of a window buffer."""
+    W: tl.constexpr = D // 4
+    dst = ptr + row.to(tl.int64)[:, None] * D + tl.arange(0, W)[None, :]
+    tl.store(dst, x0.to(ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(dst + W, x1.to(ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(dst + 2 * W, x2.to(ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(dst + 3 * W, x3.to(ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _load_window(ptr, row, valid, D: tl.constexpr):
+    """Quarters [BLOCK_T, D/4] (float32) of the rows at offsets `row` (in units of D)."""
+    W: tl.constexpr = D // 4
+    src = ptr + row.to(tl.int64)[:, None] * D + tl.arange(0, W)[None, :]
+    m = valid[:, None]
+    return (tl.load(src, mask=m, other=0.0).to(tl.float32), tl.load(src + W, mask=m, other=0.0).to(tl.float32),
+            tl.load(src + 2 * W, mask=m, other=0.0).to(tl.float32),
+            tl.load(src + 3 * W, mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S: tl.constexpr, P: tl.constexpr):
+    """(page id, row in page, valid) of history positions; out-of-range page ids are masked off."""
+    index = tl.maximum(pos - S, 0)
+    page = tl.load(bt_ptr + slot.to(tl.int64) * bt_stride + index // P, mask=valid, other=0)
+    valid = valid & (page >= 0) & (page < num_pages)
+    return page, index % P, valid
+
+
+@triton.jit
+def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
+                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                  P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                  CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    b = tl.program_id(0)
+    block = tl.program_id(1)
+    h = tl.program_id(2)
+    C: tl.constexpr = R + P
+    slot = tl.load(slots_ptr + b)
+    old = tl.load(len_ptr + b)
+    new = old + tl.load(cu_ptr + b + 1) - tl.load(cu_ptr + b)
+    first = _history_end(old, S, R, P)
+    stop = tl.minimum(old, _history_end(new, S, R, P))
+    pos = first + block * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = pos < stop
+    if block * BLOCK_T >= stop - first:
+        return
+    ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
+    page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
+    k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
+    _quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, NG, BITS, CLIP_K,
+                    BLOCK_T)
+    v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
+    _quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS, CLIP_V,
+                    BLOCK_T)
+
+
+@triton.jit
+def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
+                  slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                  sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
+                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                  P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                  CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
+                  ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr):
+    b = tl.program_id(0)
+    block = tl.program_id(1)
+    h = tl.program_id(2)
+    W: tl.constexpr = D // 4
+    C: tl.constexpr = R + P
+    slot = tl.load(slots_ptr + b)
+    old = tl.load(len_ptr + b)
+    start = tl.load(cu_ptr + b)
+    count = tl.load(cu_ptr + b + 1) - start
+    if block * BLOCK_T >= count:
+        return
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = t < count
+    pos = old + t
+    end_new = _history_end(old + count, S, R, P)
+    row_in = (start + t).to(tl.int64) * HKV + h  # row of the [T, Hkv, D] inputs, in units of D
+
+    # Keys: center and rotate in float32, round to the window dtype (what every region holds).
+    if ROTATE:
+        cols = tl.arange(0, D)
+        x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        if CENTER:
+            x = x - tl.load(mean_ptr + h * D + cols)[None, :]
+        r_rows = rot_ptr + cols[:, None] * D + tl.arange(0, W)[None, :]
+        k0 = tl.dot(x, tl.load(r_rows), input_precision="ieee")
+        k1 = tl.dot(x, tl.load(r_rows + W), input_precision="ieee")
+        k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="ieee")
+        k3 = tl.dot(x, tl.load(r_rows + 3 * W), input_precision="ieee")
+    else:
+        k0, k1, k2, k3 = _load_window(k_ptr, row_in, valid, D)
+        if CENTER:
+            mean = mean_ptr + h * D + tl.arange(0, W)
+            k0 = k0 - tl.load(mean)[None, :]
+            k1 = k1 - tl.load(mean + W)[None, :]
+            k2 = k2 - tl.load(mean + 2 * W)[None, :]
+            k3 = k3 - tl.load(mean + 3 * W)[None, :]
+    window_dtype = ring_k_ptr.dtype.element_ty
+    k0 = _round_to(k0, window_dtype)
+    k1 = _round_to(k1, window_dtype)
+    k2 = _round_to(k2, window_dtype)
+    k3 = _round_to(k3, window_dtype)
+    v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
+    v0 = _round_to(v0, window_dtype)
+    v1 = _round_to(v1, window_dtype)
+    v2 = _round_to(v2, window_dtype)
+    v3 = _round_to(v3, window_dtype)
+    _store_window(k_rot_ptr, row_in, valid, k0, k1, k2, k3, D)
+
+    in_sink = valid & (pos < S)
+    sink_row = (slot.to(tl.int64) * HKV + h) * S + pos
+    _store_window(sink_k_ptr, sink_row, in_sink, k0, k1, k2, k3, D)
+    _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
+    in_ring = valid & (pos >= end_new)
+    ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
+    _store_window(ring_k_ptr, ring_row, in_ring, k0, k1, k2, k3, D)
+    _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
+    in_history = valid & (pos >= S) & (pos < end_new)
+    page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+    _quantize_store(k0, k1, k2, k3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, NG, BITS, CLIP_K,
+                    BLOCK_T)
+    _quantize_store(v0, v1, v2, v3, in_history, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS, CLIP_V,
+                    BLOCK_T)
+
+
+def clip_rank(clip_ratio: float, head_dim: int) -> int:
+    """0-based rank of the clip threshold in ascending |x| (as `quant.format.clip_rows`); -1 = no clip."""
+    if clip_ratio <= 0:
+        return -1
+    return min(int(clip_ratio * head_dim), head_dim - 1)
+
+
+def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float) -> None:
+    """Run flush then write on the GPU (or under TRITON_INTERPRET=1). Shapes as in `reference`."""
+    lay = layer.layout
+    d = lay.head_dim
+    # 16 rows (the smallest dot) for decode; more rows per program for prompts, within registers.
+    block_tokens = 16 if batch.max_new <= 16 or d > 128 else 32
+    common = dict(HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
+                  R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d), BLOCK_T=block_tokens)
+    b = batch.batch
+    if b == 0:
+        return
+    bt = batch.block_table
+    pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
+    flush_grid = (b, triton.cdiv(lay.ring_capacity, block_tokens), lay.kv_heads)
+    _flush_kernel[flush_grid](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
+                              *pages, layer.ring_k, layer.ring_v, **common)
+    if batch.max_new == 0:
+        return
+    write_grid = (b, triton.cdiv(batch.max_new, block_tokens), lay.kv_heads)
+    _write_kernel[write_grid](k, v, k_rot, rotation if rotation is not None else k,
+                              mean if mean is not None else k,
+                              batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
+                              *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
+                              ROTATE=rotation is not None, CENTER=mean is not None, **common)

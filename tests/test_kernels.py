@@ -1,0 +1,167 @@
+"""Triton write and attention kernels against their torch references (CPU: TRITON_INTERPRET=1).
+
+Two paged caches are driven through the same steps, one by the kernels and one by the
+references; after every step their contents and the attention outputs must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscarkv.cache.paged import CacheFullError, PagedKVCache, PagedLayout
+from oscarkv.errors import OscarError
+from oscarkv.kernels.ops import attend_step, check_block_table, resolve_backend, triton_available, write_step
+from oscarkv.kernels.reference import stored_kv_reference
+from paged_helpers import PagedRun, random_step
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(page_size=16, sink_tokens=16, recent_tokens=32)  # window and page edges at small lengths
+OUTPUT_TOLERANCE = 1e-2  # the issue's bar: max abs error of the outputs, float32 accumulation
+
+
+def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    length = run.cache.lengths[slot]
+    return stored_kv_reference(run.layer, run.cache.block_table, slot, length, run.layout.history_end(length))
+
+
+def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
+           num_splits: int | None = None, **run_options) -> None:
+    kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
+    torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
+    g = torch.Generator().manual_seed(7)
+    for new_tokens in steps:
+        q, k, v = random_step(layout, query_heads, new_tokens, g, dtype=dtype, device=DEVICE)
+        out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits)
+        out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
+        # Rotated keys: float32 rotation then one rounding to BF16; the summation order may
+        # flip the last bit of a rare element.
+        torch.testing.assert_close(k_rot_kernel.float(), k_rot_ref.float(), atol=0.07, rtol=1e-2)
+        assert (k_rot_kernel != k_rot_ref).float().mean() < 0.01
+        for slot in kernel.slots:
+            keys_kernel, values_kernel = _stored(kernel, slot)
+            keys_ref, values_ref = _stored(torch_ref, slot)
+            assert keys_kernel.shape == keys_ref.shape
+            # A code may differ only where the rounding above flipped an input bit.
+            assert (keys_kernel - keys_ref).abs().gt(1e-3).sum() <= 0.01 * keys_ref.numel()
+            torch.testing.assert_close(values_kernel, values_ref, atol=1e-3, rtol=0)
+        # float32 outputs: the bar itself; BF16 outputs: plus one rounding of the output.
+        rtol = 0 if dtype == torch.float32 else 2.0**-7
+        torch.testing.assert_close(out_kernel.float(), out_ref.float(), atol=OUTPUT_TOLERANCE, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "head_dim,group,gqa,bits",
+    [(64, 64, 1, 2), (128, 64, 4, 2), (128, 128, 8, 2), (256, 128, 4, 2), (256, 64, 1, 2),
+     (128, 128, 4, 4), (64, 32, 1, 4)],
+)
+def test_kernels_match_reference_across_shapes(head_dim, group, gqa, bits):
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, bits=bits, **SMALL)
+    # Mixed lengths; a sequence with no new tokens; prompts ending on the sink (16), page and
+    # recent-window edges (48 = sink + recent, 64 = + one page), then decode steps across a flush.
+    steps = [[15, 1, 0], [1, 47, 17], [0, 16, 31], [1, 1, 1], [1, 1, 1]]
+    _drive(layout, 2 * gqa, steps)
+
+
+def test_default_layout_edge_lengths():
+    """Prompts of 0, 1, 63, 64, 65 tokens, then to 320/321 (sink + recent) and a decode step."""
+    layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64)
+    _drive(layout, 1, [[0, 1, 63, 64, 65], [320, 320, 258, 257, 256], [1, 1, 1, 1, 1]])
+
+
+def test_bfloat16_inputs_and_no_rotation_or_centering():
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
+    _drive(layout, 8, [[70, 3], [1, 1]], dtype=torch.bfloat16, center=False, rotate=False)
+
+
+def test_no_clipping():
+    layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
+    _drive(layout, 2, [[90], [1]], clip_k=0.0, clip_v=0.0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_sequence_splits_and_sliding_window(num_splits):
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
+    _drive(layout, 4, [[130, 20], [1, 1]], num_splits=num_splits, window=40 if num_splits == 2 else 0)
+
+
+def test_flush_moves_aged_ring_tokens_a_page_at_a_time():
+    layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
+    run = PagedRun(layout, 1, 256, 1, "triton", device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = random_step(layout, 1, [60], g, device=DEVICE)
+    run.step([60], q, k, v)
+    for length in range(61, 82):  # decode across the flushes at 64 and 80
+        q, k, v = random_step(layout, 1, [1], g, device=DEVICE)
+        run.step([1], q, k, v)
+        assert len(run.cache.pages[0]) == layout.pages_needed(length)
+        recent = length - layout.history_end(length)
+        assert recent <= layout.recent_tokens + layout.page_size - 1
+        if length >= layout.sink_tokens + layout.recent_tokens:
+            assert recent >= layout.recent_tokens
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim,group", [(96, 32), (128, 16), (64, 128)])
+def test_unsupported_shapes_are_refused(head_dim, group):
+    with pytest.raises(OscarError, match="head_dim|group_size"):
+        PagedLayout(kv_heads=1, head_dim=head_dim, group_size=group)
+
+
+def test_bad_dtype_and_shape_are_refused():
+    run = PagedRun(PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL), 1, 64, 1, "triton", device=DEVICE)
+    batch = run.cache.step(run.slots, [2])
+    k = torch.zeros(2, 1, 64, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(OscarError, match="dtype"):
+        write_step(run.layer, batch, k, k.float(), backend="triton")
+    with pytest.raises(OscarError, match=r"\[tokens, 1, 64\]"):
+        write_step(run.layer, batch, torch.zeros(2, 2, 64, device=DEVICE), torch.zeros(2, 2, 64, device=DEVICE))
+
+
+def test_page_table_out_of_range_is_refused():
+    layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
+    run = PagedRun(layout, 1, 256, 1, "triton", device=DEVICE)
+    batch = run.cache.step(run.slots, [100])
+    run.cache.block_table[0, 0] = run.layer.num_pages + 3
+    with pytest.raises(OscarError, match="points outside"):
+        check_block_table(run.layer, batch)
+    k = torch.zeros(100, 1, 64, device=DEVICE)
+    with pytest.raises(OscarError, match="points outside"):
+        write_step(run.layer, batch, k, k)
+
+
+def test_full_cache_refuses_cleanly_and_keeps_state():
+    layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
+    cache = PagedKVCache([layout], num_pages=3, max_slots=2, max_context=1000, device=DEVICE)
+    a, b = cache.open_slot(), cache.open_slot()
+    cache.step([a], [48 + 3 * 16])  # exactly the 3 pages
+    assert cache.allocator.free_pages == 0
+    with pytest.raises(CacheFullError, match="only 0 of 3"):
+        cache.step([b], [64])
+    assert cache.lengths[b] == 0 and cache.pages[b] == []
+    cache.close_slot(a)
+    assert cache.allocator.free_pages == 3
+    with pytest.raises(CacheFullError, match="max_context"):
+        cache.step([b], [1001])
+
+
+def test_triton_backend_without_gpu_or_interpreter_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(OscarError, match="not a CUDA GPU"):
+        resolve_backend("triton", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(OscarError, match="backend="):
+        resolve_backend("cuda", torch.device("cpu"))
+
+
+def test_attention_checks_query_heads():
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
+    run = PagedRun(layout, 1, 64, 3, "triton", device=DEVICE)
+    batch = run.cache.step(run.slots, [1])
+    q = torch.zeros(1, 3, 64, device=DEVICE)
+    kv = torch.zeros(1, 2, 64, device=DEVICE)
+    with pytest.raises(OscarError, match="multiple"):
+        attend_step(run.layer, batch, q, kv.bfloat16(), kv, 0.125)
