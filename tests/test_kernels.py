@@ -165,3 +165,15 @@ def test_attention_checks_query_heads():
     kv = torch.zeros(1, 2, 64, device=DEVICE)
     with pytest.raises(OscarError, match="multiple"):
         attend_step(run.layer, batch, q, kv.bfloat16(), kv, 0.125)
+
+
+def test_attention_benchmark_compares_the_same_contents():
+    """The benchmark's BF16 baseline attends over exactly what the INT2 kernel reads."""
+    from oscarkv.benchmarks.attention import bench_decode
+
+    result = bench_decode(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, copy_gbs=1.0, device=DEVICE,
+                          timer=lambda fn: (fn(), 1.0)[1])
+    assert result.max_abs_error <= OUTPUT_TOLERANCE
+    assert result.sdpa_gap <= 2e-2  # BF16 SDPA output vs the kernel's, same contents
+    history = 2 * (700 - 64 - 256) // 64 * 64  # tokens in pages, both sequences
+    assert result.int2_bytes > history * 2 * (16 + 4) and result.sdpa_bytes == 2 * 2 * 700 * 64 * 2 + 2 * 2 * 4 * 64 * 2

@@ -187,6 +187,33 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"1x8192,32x32768" -> [(1, 8192), (32, 32768)] (batch x context)."""
+    try:
+        return [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item]
+    except ValueError:
+        raise OscarError(f"--shapes {text!r}: write BATCHxCONTEXT pairs separated by commas, e.g. 1x8192,32x32768.")
+
+
+def cmd_bench_attention(args) -> int:
+    from .benchmarks import attention
+
+    results = attention.run(_parse_shapes(args.shapes), args.write_tokens)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"{results['device']}  copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s  torch {results['torch']}")
+    print(f"{'batch':>5} {'context':>8} {'SDPA us':>9} {'INT2 us':>9} {'speedup':>8} {'INT2 GB/s':>10} "
+          f"{'% copy BW':>9} {'max err':>8}")
+    for r in results["decode"]:
+        print(f"{r['batch']:>5} {r['context']:>8} {r['sdpa_us']:>9.1f} {r['int2_us']:>9.1f} {r['speedup']:>7.2f}x "
+              f"{r['int2_bandwidth_gbs']:>10.0f} {100 * r['int2_bandwidth_fraction']:>8.1f}% {r['max_abs_error']:>8.1e}")
+    w = results["write"]
+    print(f"write path: {w['tokens']} tokens in {w['microseconds']:.0f} us = {w['tokens_per_s'] / 1e6:.1f} M tokens/s, "
+          f"{w['bandwidth_gbs']:.0f} GB/s ({100 * w['bandwidth_fraction']:.0f}% of copy bandwidth)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscarkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-chunks", type=int, default=8)
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="GPU benchmarks (need a CUDA GPU)")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    b = bench_sub.add_parser("attention", help="INT2 decode kernel vs BF16 SDPA on one layer (32q/8kv/128)")
+    b.add_argument("--shapes", default="1x8192,1x32768,1x65536,1x131072,32x8192,32x32768",
+                   help="BATCHxCONTEXT pairs (default %(default)s)")
+    b.add_argument("--write-tokens", type=int, default=32768, help="prompt length for the write-path throughput")
+    b.add_argument("--json", action="store_true", help="print the results as JSON")
+    b.set_defaults(func=cmd_bench_attention)
 
     p = sub.add_parser("info", help="print an artifact's metadata")
     p.add_argument("rotations")

@@ -13,6 +13,7 @@ import torch
 from .errors import OscarError
 
 SCALE_DTYPES = (torch.float16, torch.float32)
+KERNELS = ("auto", "paged", "reference")
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,22 @@ class CacheConfig:
     recent_tokens: the most recent tokens (the current one included), kept in `window_dtype`.
     window_dtype: storage dtype of the sink and recent windows.
     quantize_history: False stores the history in `window_dtype` too (the BF16 baseline).
+    kernel: which cache runs the model. "paged": the paged cache of the GPU kernels (Triton on
+        CUDA, their torch references elsewhere); "reference": the torch reference cache
+        (any device, left padding, beam search); "auto": "paged" on a CUDA GPU with Triton
+        when the model's shapes suit the kernels and the history is quantized, else "reference".
+    page_size: tokens per history page of the paged cache.
+    max_context: longest sequence the paged cache reserves pages for (default: the model's
+        max_position_embeddings).
     """
 
     sink_tokens: int = 64
     recent_tokens: int = 256
     window_dtype: torch.dtype = torch.bfloat16
     quantize_history: bool = True
+    kernel: str = "auto"
+    page_size: int = 64
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         if self.sink_tokens < 0:
@@ -81,3 +92,7 @@ class CacheConfig:
             )
         if not self.window_dtype.is_floating_point:
             raise OscarError(f"window_dtype={self.window_dtype} must be a floating-point dtype.")
+        if self.kernel not in KERNELS:
+            raise OscarError(f"kernel={self.kernel!r} must be one of {KERNELS}.")
+        if self.max_context is not None and self.max_context < 1:
+            raise OscarError(f"max_context={self.max_context} must be >= 1.")

@@ -28,6 +28,9 @@ from ..attention import oscar_attention_reference
 from ..cache.mixed import LayerSpec, OscarCache, OscarLayer
 from ..calibration.artifact import RotationArtifact
 from ..config import CacheConfig, QuantConfig
+from ..errors import OscarError
+from ..kernels.ops import triton_available
+from .paged import PagedOscarCache, PagedOscarLayer, paged_layouts
 from ..models import attention_modules, attention_shape, model_identity
 
 ATTENTION_NAME = "oscar"
@@ -41,14 +44,44 @@ class OscarState:
     quant: QuantConfig
     cache: CacheConfig
     specs: list[LayerSpec]
+    kv_heads: int
+    head_dim: int
+    max_positions: int
 
-    def new_cache(self) -> OscarCache:
+    def uses_paged(self, device: torch.device) -> bool:
+        """The one switch point between the paged cache (GPU kernels) and the reference cache."""
+        kernel = self.cache.kernel
+        if kernel == "reference" or (kernel == "auto" and not (device.type == "cuda" and triton_available())):
+            return False
+        try:
+            paged_layouts(self.specs, self.cache, self.kv_heads, self.head_dim)
+        except OscarError:
+            if kernel == "paged":
+                raise
+            return False
+        if not self.cache.quantize_history:
+            if kernel == "paged":
+                raise OscarError("the paged cache always quantizes the history; use kernel='reference' for BF16.")
+            return False
+        return True
+
+    def new_cache(self, device: torch.device | str = "cpu") -> OscarCache | PagedOscarCache:
+        device = torch.device(device)
+        if self.uses_paged(device):
+            return PagedOscarCache(self.specs, self.cache, self.kv_heads, self.head_dim,
+                                   self.cache.max_context or self.max_positions)
         return OscarCache(self.specs, self.cache)
 
 
 def oscar_attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask, scaling=None,
                     dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """Attention function registered as "oscar": reads the compressed cache through its handle."""
+    if isinstance(key, PagedOscarLayer):
+        if softcap:
+            raise OscarError("the paged cache's kernels do not apply attention logit soft-capping; "
+                             "use CacheConfig(kernel='reference') for this model.")
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return key.attend(query, scaling, sliding_window), None
     if not isinstance(key, OscarLayer):
         # No oscarkv cache (use_cache=False): plain attention on unquantized, unrotated keys.
         # Values already come out of the rotated v_proj and o_proj rotates them back.
@@ -120,16 +153,16 @@ def _inject_cache(model: nn.Module, args, kwargs):
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
     if cache is None and use_cache:
-        cache = model.oscar.new_cache()
+        cache = model.oscar.new_cache(model.device)
         kwargs["past_key_values"] = cache
-    if isinstance(cache, OscarCache) and cache.get_seq_length() == 0:
+    if isinstance(cache, (OscarCache, PagedOscarCache)) and cache.get_seq_length() == 0:
         cache.set_padding(kwargs.get("attention_mask"))
     return args, kwargs
 
 
 def _prepare_cache_with_oscar(self, generation_config, model_kwargs, *args, **kwargs):
     if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-        model_kwargs["past_key_values"] = self.oscar.new_cache()
+        model_kwargs["past_key_values"] = self.oscar.new_cache(self.device)
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
 
@@ -160,7 +193,8 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
             k_mean=layer.k_mean,
             bits=layer.bits,
         ))
-    model.oscar = OscarState(artifact, quant, cache, specs)
+    model.oscar = OscarState(artifact, quant, cache, specs, shape.num_kv_heads, shape.head_dim,
+                             shape.max_positions or 32768)
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     if not getattr(model, "_oscar_hooked", False):

@@ -1,0 +1,138 @@
+"""The paged cache behind transformers' Cache interface: the GPU kernels' path for `generate`.
+
+`PagedOscarCache` holds one `PagedKVCache` (all layers, one page pool) for a batch of
+sequences. Each forward is one step: the first layer's `update` reserves the pages the
+step needs and builds its `StepBatch`; every layer then writes its new keys and values
+with `write_step` and hands itself to the "oscar" attention function, which calls
+`attend_step`. Both run the Triton kernels on CUDA and their torch references elsewhere
+(`oscarkv.kernels.ops` decides).
+
+Semantics (see `oscarkv.cache.paged`): the recent window holds between R and R + P - 1
+tokens (tokens move to INT2 a page at a time), and a prompt's own tokens attend to each
+other at full precision. The reference cache (`OscarCache`) instead keeps exactly R
+recent tokens and quantizes prompt tokens as decoding would; both keep at least what
+the method asks for in full precision.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from ..cache.mixed import LayerSpec
+from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
+from ..config import CacheConfig
+from ..errors import OscarError
+from ..kernels.ops import attend_step, write_step
+
+
+def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int) -> list[PagedLayout]:
+    """One layout per layer; raises OscarError when a layer's shape is not one the kernels take."""
+    return [PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=spec.quant.group_size, bits=spec.bits,
+                        page_size=config.page_size, sink_tokens=config.sink_tokens,
+                        recent_tokens=config.recent_tokens) for spec in specs]
+
+
+class PagedOscarLayer(DynamicLayer):
+    """One layer: its write spec, and the step's rotated keys and values for the attention."""
+
+    def __init__(self, index: int, spec: LayerSpec, owner: PagedOscarCache) -> None:
+        super().__init__()
+        self.index = index
+        self.spec = spec
+        self.owner = owner
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states: [B, Hkv, n, D] after RoPE. Returns (self, self) as handles."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, hkv, n, d = key_states.shape
+        step = self.owner.begin_step(self.index, b, n, key_states.device)
+        k = key_states.transpose(1, 2).reshape(b * n, hkv, d).contiguous()
+        v = value_states.transpose(1, 2).reshape(b * n, hkv, d).contiguous()
+        quant = self.spec.quant
+        self.step = step
+        self.new_values = v
+        self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, self.spec.k_rotation,
+                                   self.spec.k_mean, quant.clip_ratio_k, quant.clip_ratio_v,
+                                   backend=self.owner.backend, validate=self.index == 0)
+        self.length += n
+        return self, self
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ R_K (queries [B, Hq, n, D]) in float32."""
+        if self.spec.k_rotation is None:
+            return x.float()
+        return x.float() @ self.spec.k_rotation.to(device=x.device, dtype=torch.float32)
+
+    def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
+        b, hq, n, d = query.shape
+        q = self.rotate(query).to(query.dtype).transpose(1, 2).reshape(b * n, hq, d).contiguous()
+        out = attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
+                          scaling, sliding_window or 0, backend=self.owner.backend,
+                          max_context=self.owner.max_context, validate=False)
+        return out.reshape(b, n, hq, d)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise OscarError("the paged INT2 cache cannot be cropped (history cannot be un-written); "
+                         "use CacheConfig(kernel='reference') for assisted generation.")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise OscarError("the paged INT2 cache does not support beam search or num_return_sequences > 1 yet; "
+                             "use CacheConfig(kernel='reference').")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise OscarError("the paged INT2 cache does not support beam search yet; use CacheConfig(kernel='reference').")
+
+
+class PagedOscarCache(DynamicCache):
+    """A transformers cache over one `PagedKVCache`; see the module docstring."""
+
+    def __init__(self, specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int,
+                 max_context: int, backend: str = "auto") -> None:
+        self.cache_config = config
+        self.layouts = paged_layouts(specs, config, kv_heads, head_dim)
+        self.max_context = max_context
+        self.backend = backend
+        self.storage: PagedKVCache | None = None
+        self.slots: list[int] = []
+        self._step: StepBatch | None = None
+        Cache.__init__(self, layers=[PagedOscarLayer(i, spec, self) for i, spec in enumerate(specs)])
+
+    def set_padding(self, attention_mask: torch.Tensor | None) -> None:
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.bool().all()):
+            raise OscarError("the paged INT2 cache takes unpadded batches only (equal-length prompts); "
+                             "use CacheConfig(kernel='reference') for left-padded batches.")
+
+    def begin_step(self, layer_index: int, batch: int, new_tokens: int, device: torch.device) -> StepBatch:
+        """The step of the current forward: made by layer 0, reused by the others."""
+        if layer_index == 0:
+            if self.storage is None:
+                pages = batch * max(1, self.layouts[0].pages_needed(self.max_context))
+                self.storage = PagedKVCache(self.layouts, pages, batch, self.max_context, device,
+                                            self.cache_config.window_dtype)
+                self.slots = [self.storage.open_slot() for _ in range(batch)]
+            if batch != len(self.slots):
+                raise OscarError(f"this cache holds {len(self.slots)} sequences but the step has {batch}.")
+            self._step = self.storage.step(self.slots, [new_tokens] * batch)
+        if self._step is None:
+            raise OscarError("layer 0 must run before the others in a step.")
+        return self._step
+
+    def nbytes(self) -> int:
+        """Bytes of the pages in use and the windows of the open sequences, over all layers."""
+        return 0 if self.storage is None else self.storage.used_bytes()
