@@ -22,19 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_write import _history_end, _round_to
+from .triton_write import _history_end, _load_quarters, _round_to
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_quarters(ptr, row, valid, D: tl.constexpr):
-    """Quarters [BLOCK, D/4] of the rows at offsets `row` (units of D), in their stored dtype."""
-    W: tl.constexpr = D // 4
-    src = ptr + row.to(tl.int64)[:, None] * D + tl.arange(0, W)[None, :]
-    m = valid[:, None]
-    return (tl.load(src, mask=m, other=0.0), tl.load(src + W, mask=m, other=0.0),
-            tl.load(src + 2 * W, mask=m, other=0.0), tl.load(src + 3 * W, mask=m, other=0.0))
 
 
 @triton.jit

@@ -165,14 +165,20 @@ def _store_window(ptr, row, valid, x0, x1, x2, x3, D: tl.constexpr):
 
 
 @triton.jit
-def _load_window(ptr, row, valid, D: tl.constexpr):
-    """Quarters [BLOCK_T, D/4] (float32) of the rows at offsets `row` (in units of D)."""
+def _load_quarters(ptr, row, valid, D: tl.constexpr):
+    """Quarters [BLOCK, D/4] of the rows at offsets `row` (units of D), in their stored dtype."""
     W: tl.constexpr = D // 4
     src = ptr + row.to(tl.int64)[:, None] * D + tl.arange(0, W)[None, :]
     m = valid[:, None]
-    return (tl.load(src, mask=m, other=0.0).to(tl.float32), tl.load(src + W, mask=m, other=0.0).to(tl.float32),
-            tl.load(src + 2 * W, mask=m, other=0.0).to(tl.float32),
-            tl.load(src + 3 * W, mask=m, other=0.0).to(tl.float32))
+    return (tl.load(src, mask=m, other=0.0), tl.load(src + W, mask=m, other=0.0),
+            tl.load(src + 2 * W, mask=m, other=0.0), tl.load(src + 3 * W, mask=m, other=0.0))
+
+
+@triton.jit
+def _load_window(ptr, row, valid, D: tl.constexpr):
+    """Quarters [BLOCK_T, D/4] as float32 of the rows at offsets `row` (in units of D)."""
+    x0, x1, x2, x3 = _load_quarters(ptr, row, valid, D)
+    return x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
 
 
 @triton.jit
