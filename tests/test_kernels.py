@@ -177,3 +177,16 @@ def test_attention_benchmark_compares_the_same_contents():
     assert result.sdpa_gap <= 2e-2  # BF16 SDPA output vs the kernel's, same contents
     history = 2 * (700 - 64 - 256) // 64 * 64  # tokens in pages, both sequences
     assert result.int2_bytes > history * 2 * (16 + 4) and result.sdpa_bytes == 2 * 2 * 700 * 64 * 2 + 2 * 2 * 4 * 64 * 2
+
+
+def test_kernels_compile_for_the_h100():
+    """The compiler (not the interpreter) accepts the kernels: sm_90 cubins via the wheel's ptxas."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "7 kernel configurations compiled for sm_90" in done.stdout

@@ -204,13 +204,12 @@ def _paged_attention_kernel(
             k0, k1, k2, k3 = _load_quarters(k_new_ptr, row, key_valid, D)
             v0, v1, v2, v3 = _load_quarters(v_new_ptr, row, key_valid, D)
             window_dtype: tl.constexpr = ring_v_ptr.dtype.element_ty  # new values as the cache stores them
-            v0 = _round_to(v0.to(tl.float32), window_dtype)
-            v1 = _round_to(v1.to(tl.float32), window_dtype)
-            v2 = _round_to(v2.to(tl.float32), window_dtype)
-            v3 = _round_to(v3.to(tl.float32), window_dtype)
             s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
             visible = _visible(old + key_t, key_valid, query_pos, row_valid, window)
-            m, l, a0, a1, a2, a3 = _softmax_step(s, visible, m, l, a0, a1, a2, a3, v0, v1, v2, v3)
+            m, l, a0, a1, a2, a3 = _softmax_step(
+                s, visible, m, l, a0, a1, a2, a3, _round_to(v0.to(tl.float32), window_dtype),
+                _round_to(v1.to(tl.float32), window_dtype), _round_to(v2.to(tl.float32), window_dtype),
+                _round_to(v3.to(tl.float32), window_dtype))
 
     cols = tl.arange(0, W)
     l_safe = tl.where(l > 0, l, 1.0)

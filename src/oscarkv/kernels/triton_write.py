@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SCALE_FLOOR_REL = 2.0**-15  # = quant.format.ZERO_LIMIT_INV
-FP16_SMALLEST = 2.0**-24  # smallest float16 subnormal
+SCALE_FLOOR_REL = tl.constexpr(2.0**-15)  # = quant.format.ZERO_LIMIT_INV
+FP16_SMALLEST = tl.constexpr(2.0**-24)  # smallest float16 subnormal
 
 
 @triton.jit
