@@ -64,7 +64,9 @@ class CacheConfig:
     sink_tokens: the first tokens of each sequence, kept in `window_dtype`.
     recent_tokens: the most recent tokens (the current one included), kept in `window_dtype`.
     window_dtype: storage dtype of the sink and recent windows.
-    quantize_history: False stores the history in `window_dtype` too (the BF16 baseline).
+    quantize_history: False stores the history as floats instead of INT codes: in
+        `history_dtype` (default `window_dtype`: the BF16 baseline; torch.float8_e4m3fn: the FP8
+        baseline, values saturated at ±448 as an FP8 cache with unit scales does).
     kernel: which cache runs the model. "paged": the paged cache of the GPU kernels (Triton on
         CUDA, their torch references elsewhere); "reference": the torch reference cache
         (any device, left padding, beam search); "auto": "paged" on a CUDA GPU with Triton
@@ -78,6 +80,7 @@ class CacheConfig:
     recent_tokens: int = 256
     window_dtype: torch.dtype = torch.bfloat16
     quantize_history: bool = True
+    history_dtype: torch.dtype | None = None
     kernel: str = "auto"
     page_size: int = 64
     max_context: int | None = None
@@ -92,6 +95,8 @@ class CacheConfig:
             )
         if not self.window_dtype.is_floating_point:
             raise OscarError(f"window_dtype={self.window_dtype} must be a floating-point dtype.")
+        if self.history_dtype is not None and not self.history_dtype.is_floating_point:
+            raise OscarError(f"history_dtype={self.history_dtype} must be a floating-point dtype.")
         if self.kernel not in KERNELS:
             raise OscarError(f"kernel={self.kernel!r} must be one of {KERNELS}.")
         if self.max_context is not None and self.max_context < 1:

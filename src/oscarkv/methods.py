@@ -16,13 +16,15 @@ from .config import CacheConfig, QuantConfig
 from .errors import OscarError
 from .models import attention_shape, model_identity
 
-METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard")
+METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "int4", "fp8")
 DESCRIPTIONS = {
     "bf16": "BF16 cache everywhere (the reference)",
     "oscar": "the artifact as calibrated: centering, per-layer transform and clip, INT4 fallback layers",
     "oscar-paper": "SPEC §1-§4 exactly: paper rotations, no centering, INT2 everywhere",
     "naive": "no rotation, INT2 history",
     "hadamard": "Walsh-Hadamard rotation of K and V (QuaRot-style), INT2 history",
+    "int4": "Walsh-Hadamard rotation, INT4 history (per-token asymmetric groups, no clipping)",
+    "fp8": "FP8 e4m3 history with unit scales (saturating at ±448), no rotation",
 }
 
 
@@ -60,6 +62,14 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
         return MethodSetup(name, data_free_artifact(model, "identity", quant), quant, cache)
     if name == "hadamard":
         return MethodSetup(name, data_free_artifact(model, "hadamard", quant), quant, cache)
+    if name == "int4":
+        artifact = data_free_artifact(model, "hadamard", quant)
+        for layer in artifact.layers:
+            layer.choice = {"bits": 4, "clip_k": 0.0, "clip_v": 0.0}
+        return MethodSetup(name, artifact, quant, cache)
+    if name == "fp8":
+        return MethodSetup(name, data_free_artifact(model, "identity", quant), quant,
+                           replace(cache, quantize_history=False, history_dtype=torch.float8_e4m3fn))
     if name in ("oscar", "oscar-paper"):
         if artifact is None:
             raise OscarError(f"method {name!r} needs a rotations artifact: pass --rotations FILE "

@@ -81,6 +81,9 @@ class HistoryStore:
 
     def encode(self, x: torch.Tensor) -> QuantizedTensor | torch.Tensor:
         if not self.quantize:
+            if self.plain_dtype.itemsize == 1:  # FP8: saturate instead of overflowing to NaN
+                limit = torch.finfo(self.plain_dtype).max
+                return x.clamp(-limit, limit).to(self.plain_dtype)
             return x.to(self.plain_dtype)
         return quantize(x, self.bits, self.group_size, self.clip_ratio, self.scale_dtype)
 

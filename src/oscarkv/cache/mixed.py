@@ -52,11 +52,12 @@ class OscarLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         store_dtype = self.config.window_dtype
+        history_dtype = self.config.history_dtype or store_dtype
         quant = self.spec.quant
         self.history_k = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_k,
-                                      quant.scale_dtype, store_dtype, self.spec.bits)
+                                      quant.scale_dtype, history_dtype, self.spec.bits)
         self.history_v = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_v,
-                                      quant.scale_dtype, store_dtype, self.spec.bits)
+                                      quant.scale_dtype, history_dtype, self.spec.bits)
         empty = key_states[:, :, :0].to(store_dtype)
         self.sink_k, self.sink_v = empty, empty.clone()
         self.tail_k, self.tail_v = empty.clone(), empty.clone()

@@ -16,10 +16,11 @@ def layers_bits_per_element(history_tokens: list[int], window_tokens: list[int],
     code_bits[i] bits (2 or 4) plus their share of scale and zero.
     """
     window_bits = torch.finfo(cache.window_dtype).bits
+    float_history_bits = torch.finfo(cache.history_dtype or cache.window_dtype).bits
     total = 0.0
     for history, window, bits in zip(history_tokens, window_tokens, code_bits):
         history_bits = bits_per_element(bits, quant.group_size, quant.scale_dtype) if cache.quantize_history \
-            else window_bits
+            else float_history_bits
         total += history * history_bits + window * window_bits
     elements = sum(history_tokens) + sum(window_tokens)
     return total / elements if elements else 0.0
