@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_write import _history_end, _load_quarters, _round_to
+from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
 
@@ -129,10 +129,7 @@ def _paged_attention_kernel(
     G: tl.constexpr = HQ // HKV
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
-    slot = tl.load(slots_ptr + b)
-    old = tl.load(len_ptr + b)
-    start = tl.load(cu_ptr + b)
-    count = tl.load(cu_ptr + b + 1) - start
+    slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     if m_block * BLOCK_M >= count * G:
         return
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -134,6 +134,13 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
 
 
 @triton.jit
+def _sequence(b, slots_ptr, cu_ptr, len_ptr):
+    """(slot, tokens stored before the step, first new-token row, new-token count) of sequence b."""
+    start = tl.load(cu_ptr + b)
+    return tl.load(slots_ptr + b), tl.load(len_ptr + b), start, tl.load(cu_ptr + b + 1) - start
+
+
+@triton.jit
 def _history_end(length, S: tl.constexpr, R: tl.constexpr, P: tl.constexpr):
     return S + P * (tl.maximum(length - S - R, 0) // P)
 
@@ -200,9 +207,8 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
     block = tl.program_id(1)
     h = tl.program_id(2)
     C: tl.constexpr = R + P
-    slot = tl.load(slots_ptr + b)
-    old = tl.load(len_ptr + b)
-    new = old + tl.load(cu_ptr + b + 1) - tl.load(cu_ptr + b)
+    slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
+    new = old + count
     first = _history_end(old, S, R, P)
     stop = tl.minimum(old, _history_end(new, S, R, P))
     pos = first + block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -233,10 +239,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
     h = tl.program_id(2)
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
-    slot = tl.load(slots_ptr + b)
-    old = tl.load(len_ptr + b)
-    start = tl.load(cu_ptr + b)
-    count = tl.load(cu_ptr + b + 1) - start
+    slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     if block * BLOCK_T >= count:
         return
     t = block * BLOCK_T + tl.arange(0, BLOCK_T)
