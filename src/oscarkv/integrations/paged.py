@@ -45,6 +45,10 @@ class PagedOscarLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        # On the device once, not copied from the host at every step of every layer.
+        as_float = lambda x: None if x is None else x.to(device=self.device, dtype=torch.float32).contiguous()  # noqa: E731
+        self.k_rotation = as_float(self.spec.k_rotation)
+        self.k_mean = as_float(self.spec.k_mean)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -58,17 +62,17 @@ class PagedOscarLayer(DynamicLayer):
         quant = self.spec.quant
         self.step = step
         self.new_values = v
-        self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, self.spec.k_rotation,
-                                   self.spec.k_mean, quant.clip_ratio_k, quant.clip_ratio_v,
+        self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, self.k_rotation,
+                                   self.k_mean, quant.clip_ratio_k, quant.clip_ratio_v,
                                    backend=self.owner.backend, validate=self.index == 0)
         self.length += n
         return self, self
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x @ R_K (queries [B, Hq, n, D]) in float32."""
-        if self.spec.k_rotation is None:
+        if self.k_rotation is None:
             return x.float()
-        return x.float() @ self.spec.k_rotation.to(device=x.device, dtype=torch.float32)
+        return x.float() @ self.k_rotation
 
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
