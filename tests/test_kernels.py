@@ -189,4 +189,4 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "7 kernel configurations compiled for sm_90" in done.stdout
+    assert "6 kernel configurations compiled for sm_90" in done.stdout

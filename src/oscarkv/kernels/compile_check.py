@@ -28,9 +28,11 @@ WRITE_TYPES = dict(
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW)
 COMBINE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=WINDOW)
 
-# (head_dim, group, bits, query heads, kv heads): Qwen3-like, its INT4 fallback, SmolLM2, Gemma3, INT4 group D/4.
-FULL = [(128, 128, 2, 32, 8), (128, 128, 4, 32, 8), (64, 64, 2, 9, 3), (256, 128, 2, 4, 1), (128, 32, 4, 8, 2)]
-QUICK = [(128, 128, 2, 32, 8)]
+# (head_dim, group, bits, query heads, kv heads, page, sink, recent): Qwen3-like, its INT4 fallback,
+# SmolLM2, Gemma3, INT4 group D/4, and the tests' small layout (sink block smaller than a key block).
+FULL = [(128, 128, 2, 32, 8, 64, 64, 256), (128, 128, 4, 32, 8, 64, 64, 256), (64, 64, 2, 9, 3, 64, 64, 256),
+        (256, 128, 2, 4, 1, 64, 64, 256), (128, 32, 4, 8, 2, 64, 64, 256), (128, 64, 2, 8, 2, 16, 8, 32)]
+QUICK = [(128, 128, 2, 32, 8, 64, 64, 256)]
 
 
 def _compile(fn, types: dict, constexprs: dict, arch: int, **options) -> float:
@@ -51,16 +53,16 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
-    for d, group, bits, hq, hkv in configs:
-        shape = dict(D=d, NG=d // group, BITS=bits, P=64, S=64, R=256)
+    for d, group, bits, hq, hkv, page, sink, recent in configs:
+        shape = dict(D=d, NG=d // group, BITS=bits, P=page, S=sink, R=recent)
         jobs = []
         for splits in (1, 17):
             jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
-                         dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64, SINK_BLOCK=64),
+                         dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
+                              SINK_BLOCK=max(16, 1 << (sink - 1).bit_length())),
                          dict(num_warps=4, num_stages=2)))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d))
-        for block in (16, 32) if d <= 128 else (16,):
-            jobs.append((triton_write._write_kernel, WRITE_TYPES, dict(write, ROTATE=True, CENTER=True, BLOCK_T=block),
+        jobs.append((triton_write._write_kernel, WRITE_TYPES, dict(write, ROTATE=True, CENTER=True, BLOCK_T=16),
                          {}))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
                      dict(write, ROTATE=False, CENTER=False, CLIP_K=-1, CLIP_V=-1, BLOCK_T=16), {}))

@@ -255,10 +255,10 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
         if CENTER:
             x = x - tl.load(mean_ptr + h * D + cols)[None, :]
         r_rows = rot_ptr + cols[:, None] * D + tl.arange(0, W)[None, :]
-        k0 = tl.dot(x, tl.load(r_rows), input_precision="ieee")
-        k1 = tl.dot(x, tl.load(r_rows + W), input_precision="ieee")
-        k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="ieee")
-        k3 = tl.dot(x, tl.load(r_rows + 3 * W), input_precision="ieee")
+        k0 = tl.dot(x, tl.load(r_rows), input_precision="tf32x3")
+        k1 = tl.dot(x, tl.load(r_rows + W), input_precision="tf32x3")
+        k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="tf32x3")
+        k3 = tl.dot(x, tl.load(r_rows + 3 * W), input_precision="tf32x3")
     else:
         k0, k1, k2, k3 = _load_window(k_ptr, row_in, valid, D)
         if CENTER:
@@ -306,8 +306,8 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     """Run flush then write on the GPU (or under TRITON_INTERPRET=1). Shapes as in `reference`."""
     lay = layer.layout
     d = lay.head_dim
-    # 16 rows (the smallest dot) for decode; more rows per program for prompts, within registers.
-    block_tokens = 16 if batch.max_new <= 16 or d > 128 else 32
+    # 16 rows, the smallest dot: 32 rows of D = 128 already spill registers on sm_90.
+    block_tokens = 16
     common = dict(HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
                   R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d), BLOCK_T=block_tokens)
     b = batch.batch
