@@ -54,7 +54,7 @@ def main() -> None:
         expected = reference.attention_reference(layer, step, q, k, v, scale)
         base_splits = choose_splits(layer, batch, 1, 32, context, q.device)
         split_options = sorted({base_splits, base_splits * 2})
-        grid = itertools.product((64,), (1, 2, 4), (1, 2, 3), split_options)
+        grid = itertools.product((32, 64), (1, 2), (1, 2), split_options)
         if args.quick:
             grid = itertools.product((64,), (4,), (2,), (base_splits,))
         results = []

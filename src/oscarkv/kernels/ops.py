@@ -15,6 +15,7 @@ import torch
 from ..cache.paged import PagedLayer, StepBatch
 from ..errors import OscarError
 from . import reference
+from .hardware import multiprocessors as _multiprocessors
 
 BACKENDS = ("auto", "triton", "torch")
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -111,11 +112,6 @@ def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Te
     k_rot = torch.empty(k.shape, dtype=layer.ring_k.dtype, device=k.device)
     launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k, clip_v)
     return k_rot
-
-
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,

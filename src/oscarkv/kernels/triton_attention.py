@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .hardware import multiprocessors as _multiprocessors
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
@@ -256,17 +257,20 @@ def _paged_attention_kernel(
         if window > 0:  # pages wholly before the window of the first query row are skipped
             lo = tl.maximum(lo, tl.maximum(old + m_block * BLOCK_M // G - window + 1 - S, 0) // P)
         bt_row = bt_ptr + slot.to(tl.int64) * bt_stride
-        for index in range(lo, hi):
-            page = tl.load(bt_row + index)
+        KEYS: tl.constexpr = BLOCK_N if BLOCK_N < P else P  # keys per step: a page or a part of one
+        PARTS: tl.constexpr = P // KEYS
+        for index in range(lo * PARTS, hi * PARTS):
+            page = tl.load(bt_row + index // PARTS)
             page_ok = (page >= 0) & (page < num_pages)
-            row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P
-            s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, row0, P, D, NG, BITS)
-            hist_pos = S + index * P + tl.arange(0, P)
+            row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P + (index % PARTS) * KEYS
+            s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, row0, KEYS, D, NG,
+                                BITS)
+            hist_pos = S + index * KEYS + tl.arange(0, KEYS)
             visible = page_ok & row_valid[:, None] & (hist_pos >= 0)[None, :]
             if window > 0:
                 visible = visible & (query_pos[:, None] - hist_pos[None, :] < window)
             m, l, a0, a1, a2, a3, z0, z1, z2, z3 = _history_step(
-                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, P, D, NG, BITS)
+                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, KEYS, D, NG, BITS)
         # Back to plain units for the full-precision regions below and the output.
         a0 = a0 * UNIT_INV - z0[:, None]
         a1 = a1 * UNIT_INV - z1[:, None]
@@ -338,8 +342,9 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                      num_stages: int = 2) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
-    num_warps None: one warp when a program's query rows fit one block (decode: measured fastest
-    on the H100, scripts/tune_attention.py), four for prefill chunks."""
+    num_warps None: one warp when a program's query rows fit one block and there are at least
+    four programs per multiprocessor (decode at long context or large batch: measured fastest on
+    the H100 with scripts/tune_attention.py), else four."""
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads
@@ -347,7 +352,9 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     if b == 0 or batch.max_new == 0:
         return
     if num_warps is None:
-        num_warps = 1 if batch.max_new * group <= block_m else 4
+        programs = b * lay.kv_heads * num_splits
+        many = q.device.type != "cuda" or programs >= 4 * _multiprocessors(q.device.index or 0)
+        num_warps = 1 if batch.max_new * group <= block_m and many else 4
     bt = batch.block_table
     m_blocks = triton.cdiv(batch.max_new * group, block_m)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)
