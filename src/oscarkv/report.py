@@ -45,3 +45,31 @@ def plot_ppl(rows: list[dict], path: str | Path, title: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_niah(rows: list[dict], path: str | Path, title: str) -> Path:
+    """Exact-match accuracy vs prompt length, one line per method (all needles, and those in INT2)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    for key, ax, label in ((("accuracy", axes[0], "all needles")), ("history_accuracy", axes[1], "needles stored in INT2")):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            points = sorted((r["length"], r[key]) for r in rows if r["method"] == method and r[key] is not None)
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(label, fontsize=9)
+        ax.set_ylim(-5, 105)
+    axes[0].set_ylabel("exact match %")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
