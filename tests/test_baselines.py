@@ -4,7 +4,7 @@ import torch
 
 from oscarkv import CacheConfig, QuantConfig
 from oscarkv.evaluation.ppl import evaluate_methods
-from tiny_models import VOCAB, tiny_model
+from tiny_models import FAMILIES, VOCAB, tiny_model
 
 
 def test_int4_and_fp8_sit_between_bf16_and_naive_int2_at_their_true_bits():
@@ -21,3 +21,74 @@ def test_int4_and_fp8_sit_between_bf16_and_naive_int2_at_their_true_bits():
     # Bits measured from the stored bytes: 188 history tokens and 12 float32 window tokens of 200.
     assert abs(results["int4"].bits_per_element - (188 * (4 + 32 / 32) + 12 * 32) / 200) < 1e-6
     assert abs(results["fp8"].bits_per_element - (188 * 8 + 12 * 32) / 200) < 1e-6
+
+
+def test_kivi2_stores_int2_bits_in_whole_token_groups_and_decodes_like_prefill():
+    from oscarkv.integrations.transformers import patch_model
+    from oscarkv.methods import method_setup
+
+    model = tiny_model("llama", head_dim=32, attention_scale=3.0, value_scale=3.0)
+    ids = torch.randint(0, VOCAB, (1, 400), generator=torch.Generator().manual_seed(0))
+    cache = CacheConfig(sink_tokens=4, recent_tokens=8, window_dtype=torch.float32)
+    results = {r.method: r for r in evaluate_methods(model, ids, ["bf16", "naive", "kivi2"], QuantConfig(group_size=32),
+                                                     cache, context=200, max_tokens=None)}
+    assert results["kivi2"].ppl != results["bf16"].ppl
+    # 200 tokens: sink 4, history 160 (5 groups of 32), recent window 36 (8 + a partial group).
+    expected = (160 * (2 + 32 / 32) + 40 * 32) / 200
+    assert abs(results["kivi2"].bits_per_element - expected) < 1e-6
+
+    ids = ids[:, :60]
+    for family in FAMILIES:  # gemma3: sliding-window layers drop whole groups
+        model = tiny_model(family, dtype=torch.float64)
+        setup = method_setup("kivi2", model, QuantConfig(group_size=8),
+                             CacheConfig(sink_tokens=4, recent_tokens=8, window_dtype=torch.float64))
+        patch_model(model, setup.artifact, setup.quant, setup.cache)
+        with torch.no_grad():
+            full = model(ids).logits
+            stepwise = model.oscar.new_cache()
+            steps = torch.cat([model(ids[:, i:i + 1], past_key_values=stepwise).logits for i in range(60)], 1)
+            chunked = model.oscar.new_cache()
+            chunks = torch.cat([model(ids[:, i:i + 13], past_key_values=chunked).logits for i in range(0, 60, 13)], 1)
+        assert (steps - full).abs().max() < 1e-9, family
+        assert (chunks - full).abs().max() < 1e-9, family
+        if family == "llama":
+            layer = stepwise.layers[0]
+            assert layer.history_k.length == 40 and layer.tail_k.shape[2] == 16  # 4 + 40 + 16 = 60
+
+
+def test_kivi2_keys_are_quantized_per_channel_over_token_groups():
+    from oscarkv.cache.history import ChannelGroupedHistory
+    from oscarkv.quant.format import dequantize, quantize
+
+    store = ChannelGroupedHistory(8, 0.0, torch.float16, torch.float32)
+    x = torch.randn(2, 3, 16, 32, generator=torch.Generator().manual_seed(1))
+    x[:, :, :, 5] += 40.0  # an outlier channel: per-channel groups absorb it
+    store.append(x[:, :, :8])
+    store.append(x[:, :, 8:])
+    expected = torch.cat([dequantize(quantize(x[:, :, g:g + 8].transpose(-1, -2), 2, 8, 0.0, torch.float16),
+                                     torch.float32).transpose(-1, -2) for g in (0, 8)], dim=2)
+    assert store.length == 16
+    assert torch.equal(store.read(torch.float32), expected)
+    assert store.nbytes() == 2 * 3 * 16 * 32 * (2 + 32 / 8) // 8
+    store.drop_front(8)
+    assert torch.equal(store.read(torch.float32), expected[:, :, 8:])
+
+
+def test_kivi2_refuses_left_padding_and_the_paged_cache():
+    import pytest
+
+    from oscarkv.errors import OscarError
+    from oscarkv.integrations.transformers import patch_model
+    from oscarkv.methods import method_setup
+
+    model = tiny_model("llama")
+    setup = method_setup("kivi2", model, QuantConfig(group_size=8), CacheConfig(sink_tokens=4, recent_tokens=8))
+    patch_model(model, setup.artifact, setup.quant, setup.cache)
+    ids = torch.randint(0, VOCAB, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(OscarError, match="left padding"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    model.oscar.cache = CacheConfig(sink_tokens=4, recent_tokens=8, key_grouping="channel", kernel="paged")
+    with pytest.raises(OscarError, match="kivi2"):
+        model.oscar.uses_paged(torch.device("cuda"))

@@ -9,7 +9,10 @@ and reads key j from the INT2 history exactly when
 
     j - pad_b >= sink_tokens   and   j < t + 1 - recent_tokens,
 
-i.e. when j would have left the recent window by the time token t is decoded. A prefill
+i.e. when j would have left the recent window by the time token t is decoded. With KIVI's
+per-channel keys (`key_grouping="channel"`) tokens leave in whole groups of G: j is read
+quantized when the last token of its group (counted from the sink's end) satisfies the
+condition above. A prefill
 or chunked prefill over many queries therefore gives, query by query, the same result as
 decoding the tokens one at a time.
 
@@ -52,6 +55,7 @@ def _entries(layer: OscarLayer, dtype: torch.dtype) -> tuple[list[torch.Tensor],
         add(layer.history_k.read(dtype), layer.history_v.read(dtype), layer.history_start, True)
     tail = layer.tail_k.shape[2]
     aged = max(0, tail - layer.config.recent_tokens)  # tail tokens that some query reads quantized
+    aged -= aged % layer.token_multiple  # (whole KIVI key groups: the tail starts on a group edge)
     if aged:
         add(layer.history_k.roundtrip(layer.tail_k[:, :, :aged]),
             layer.history_v.roundtrip(layer.tail_v[:, :, :aged]), layer.tail_start, True)
@@ -68,7 +72,10 @@ def precision_masks(layer: OscarLayer, query_slots: torch.Tensor, slots: torch.T
     visible = (j <= t) & (j >= pad)
     if sliding_window:
         visible &= t - j < sliding_window
-    quantized = (j - pad >= layer.sink_tokens) & (j < t + 1 - layer.config.recent_tokens)
+    first = j - pad - layer.sink_tokens  # position within the history region
+    group = layer.token_multiple  # keys enter the history a group at a time: the group's end decides
+    quantized = (first >= 0) & (first.div(group, rounding_mode="floor") * group + group <=
+                                t + 1 - layer.config.recent_tokens - pad - layer.sink_tokens)
     return visible & (quantized == lo[None, None, :])
 
 
@@ -115,8 +122,9 @@ def oscar_attention_reference(layer: OscarLayer, query: torch.Tensor, scaling: f
         # Entries no query of this block can read: beyond causality, quantized copies
         # of keys still in every query's window, full copies of keys out of every window.
         recent = layer.config.recent_tokens
+        late = layer.token_multiple - 1  # a key of an incomplete KIVI group stays in full precision longer
         needed = (slot <= t_last) & (~lo | (slot < t_last + 1 - recent)) & (lo | (slot < sink_end)
-                                                                              | (slot >= t_first + 1 - recent))
+                                                                              | (slot >= t_first + 1 - recent - late))
         index = needed.nonzero().squeeze(1)
         query_slots = torch.arange(t_first, t_last + 1, device=query.device)
         allowed = precision_masks(layer, query_slots, slot[index], lo[index], sliding_window)  # [B, Cb, E']

@@ -13,6 +13,7 @@ import torch
 from .errors import OscarError
 
 SCALE_DTYPES = (torch.float16, torch.float32)
+KEY_GROUPINGS = ("token", "channel")
 KERNELS = ("auto", "paged", "reference")
 
 
@@ -74,6 +75,11 @@ class CacheConfig:
     page_size: tokens per history page of the paged cache.
     max_context: longest sequence the paged cache reserves pages for (default: the model's
         max_position_embeddings).
+    key_grouping: "token" (OSCAR: each key's channels in groups of `group_size`) or "channel"
+        (KIVI: each channel over groups of `group_size` consecutive tokens). With "channel",
+        tokens move to the history a whole group at a time, so the recent window holds
+        `recent_tokens` to `recent_tokens + group_size - 1` tokens; reference cache only,
+        no left padding.
     """
 
     sink_tokens: int = 64
@@ -84,8 +90,11 @@ class CacheConfig:
     kernel: str = "auto"
     page_size: int = 64
     max_context: int | None = None
+    key_grouping: str = "token"
 
     def __post_init__(self) -> None:
+        if self.key_grouping not in KEY_GROUPINGS:
+            raise OscarError(f"key_grouping={self.key_grouping!r} must be one of {KEY_GROUPINGS}.")
         if self.sink_tokens < 0:
             raise OscarError(f"sink_tokens={self.sink_tokens} must be >= 0.")
         if self.recent_tokens < 1:

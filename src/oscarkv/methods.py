@@ -16,13 +16,15 @@ from .config import CacheConfig, QuantConfig
 from .errors import OscarError
 from .models import attention_shape, model_identity
 
-METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "int4", "fp8")
+METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "kivi2", "int4", "fp8")
 DESCRIPTIONS = {
     "bf16": "BF16 cache everywhere (the reference)",
     "oscar": "the artifact as calibrated: centering, per-layer transform and clip, INT4 fallback layers",
     "oscar-paper": "SPEC §1-§4 exactly: paper rotations, no centering, INT2 everywhere",
     "naive": "no rotation, INT2 history",
     "hadamard": "Walsh-Hadamard rotation of K and V (QuaRot-style), INT2 history",
+    "kivi2": "KIVI-2: no rotation, keys per channel over token groups, values per token, no clipping "
+             "(group = --group-size, so the bits equal the other INT2 methods')",
     "int4": "Walsh-Hadamard rotation, INT4 history (per-token asymmetric groups, no clipping)",
     "fp8": "FP8 e4m3 history with unit scales (saturating at ±448), no rotation",
 }
@@ -62,6 +64,9 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
         return MethodSetup(name, data_free_artifact(model, "identity", quant), quant, cache)
     if name == "hadamard":
         return MethodSetup(name, data_free_artifact(model, "hadamard", quant), quant, cache)
+    if name == "kivi2":
+        return MethodSetup(name, data_free_artifact(model, "identity", quant),
+                           replace(quant, clip_ratio_k=0.0, clip_ratio_v=0.0), replace(cache, key_grouping="channel"))
     if name == "int4":
         artifact = data_free_artifact(model, "hadamard", quant)
         for layer in artifact.layers:

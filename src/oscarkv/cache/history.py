@@ -125,3 +125,52 @@ class HistoryStore:
 
     def nbytes(self) -> int:
         return sum(part.nbytes() for part in self.parts)
+
+
+class ChannelGroupedHistory(HistoryStore):
+    """Keys quantized per channel over groups of `group_size` consecutive tokens (KIVI).
+
+    Tokens arrive and leave in whole groups (`token_multiple`). A group of G tokens is stored
+    as [D, G] rows, each channel's G values one asymmetric group with its own scale and zero:
+    the same codes-plus-scales format, transposed, so the bits per element equal those of
+    per-token groups of the same size.
+    """
+
+    def __init__(self, group_size: int, clip_ratio: float, scale_dtype: torch.dtype, plain_dtype: torch.dtype,
+                 bits: int = 2) -> None:
+        super().__init__(True, group_size, clip_ratio, scale_dtype, plain_dtype, bits)
+        self.token_multiple = group_size
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].length * self.group_size
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, n, D] -> [B, H, n/G, D, G]."""
+        b, h, n, d = x.shape
+        if n % self.group_size:
+            raise ValueError(f"{n} tokens are not a whole number of {self.group_size}-token groups")
+        return x.reshape(b, h, n // self.group_size, self.group_size, d).transpose(-1, -2)
+
+    def encode(self, x: torch.Tensor) -> QuantizedTensor:
+        return quantize(self._grouped(x), self.bits, self.group_size, self.clip_ratio, self.scale_dtype)
+
+    def decode(self, stored: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+        x = dequantize(stored, dtype)  # [B, H, groups, D, G]
+        b, h, groups, d, g = x.shape
+        return x.transpose(-1, -2).reshape(b, h, groups * g, d)
+
+    def append(self, x: torch.Tensor) -> None:
+        stored = self.encode(x)
+        for part, tensor in zip(self.parts, (stored.packed, stored.scale, stored.zero)):
+            part.append(tensor.flatten(3))  # [B, H, groups, D·X]
+
+    def stored(self) -> QuantizedTensor:
+        packed, scale, zero = (part.view() for part in self.parts)
+        b, h, groups, _ = packed.shape
+        return QuantizedTensor(packed.reshape(b, h, groups, -1, self.group_size * self.bits // 8),
+                               scale.reshape(b, h, groups, -1, 1), zero.reshape(b, h, groups, -1, 1),
+                               self.group_size, self.plain_dtype, self.bits)
+
+    def drop_front(self, n: int) -> None:
+        super().drop_front(n // self.group_size)

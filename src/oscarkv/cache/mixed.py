@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
-from .history import HistoryStore
+from .history import ChannelGroupedHistory, HistoryStore
 
 
 @dataclass
@@ -54,8 +54,12 @@ class OscarLayer(DynamicLayer):
         store_dtype = self.config.window_dtype
         history_dtype = self.config.history_dtype or store_dtype
         quant = self.spec.quant
-        self.history_k = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_k,
-                                      quant.scale_dtype, history_dtype, self.spec.bits)
+        if self.config.key_grouping == "channel" and self.config.quantize_history:
+            self.history_k = ChannelGroupedHistory(quant.group_size, quant.clip_ratio_k, quant.scale_dtype,
+                                                   history_dtype, self.spec.bits)
+        else:
+            self.history_k = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_k,
+                                          quant.scale_dtype, history_dtype, self.spec.bits)
         self.history_v = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_v,
                                       quant.scale_dtype, history_dtype, self.spec.bits)
         empty = key_states[:, :, :0].to(store_dtype)
@@ -150,6 +154,7 @@ class OscarLayer(DynamicLayer):
     def flush(self) -> None:
         """Move tokens that left the recent window into the INT2 history."""
         overflow = self.tail_k.shape[2] - self.config.recent_tokens
+        overflow -= overflow % self.token_multiple  # KIVI keys move a whole token group at a time
         if overflow > 0:
             self.history_k.append(self.tail_k[:, :, :overflow])
             self.history_v.append(self.tail_v[:, :, :overflow])
@@ -160,12 +165,18 @@ class OscarLayer(DynamicLayer):
             # Slots older than length - window are invisible to every future query.
             first_visible = self.length - window + 1
             stale = min(self.history_k.length, first_visible - (self.sink_capacity + self.dropped))
+            stale -= stale % self.token_multiple
             if stale > 0:
                 self.history_k.drop_front(stale)
                 self.history_v.drop_front(stale)
                 self.dropped += stale
 
     # -- read-path views ----------------------------------------------------------------------
+    @property
+    def token_multiple(self) -> int:
+        """Tokens enter and leave the history in multiples of this (1, or KIVI's key group)."""
+        return getattr(self.history_k, "token_multiple", 1)
+
     @property
     def history_start(self) -> int:
         return self.sink_capacity + self.dropped
@@ -204,6 +215,9 @@ class OscarCache(DynamicCache):
                 "the attention mask has holes or right padding; the oscarkv cache supports left padding only "
                 "(tokenizer.padding_side = 'left')."
             )
+        if self.cache_config.key_grouping == "channel" and bool(pad.any()):
+            raise OscarError("key_grouping='channel' (kivi2) groups keys over aligned token groups and does not "
+                             "support left padding; evaluate one sequence at a time or pad to equal lengths.")
         self._pad = pad
 
     def padding(self, batch: int, device: torch.device) -> torch.Tensor:

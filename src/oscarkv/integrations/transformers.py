@@ -53,6 +53,11 @@ class OscarState:
         kernel = self.cache.kernel
         if kernel == "reference" or (kernel == "auto" and not (device.type == "cuda" and triton_available())):
             return False
+        if self.cache.key_grouping != "token":
+            if kernel == "paged":
+                raise OscarError("the paged cache groups keys per token; use kernel='reference' for "
+                                 "key_grouping='channel' (kivi2).")
+            return False
         try:
             paged_layouts(self.specs, self.cache, self.kv_heads, self.head_dim)
         except OscarError:
