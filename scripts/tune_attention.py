@@ -13,31 +13,10 @@ import itertools
 
 import torch
 
-from oscarkv.benchmarks.attention import _fill_random, _layout, _time_us, copy_bandwidth_gbs
-from oscarkv.cache.paged import PagedKVCache
+from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
 from oscarkv.kernels import reference
 from oscarkv.kernels.ops import choose_splits
 from oscarkv.kernels.triton_attention import launch_attention
-
-
-def case(batch: int, context: int, hq=32, hkv=8, d=128, group=128):
-    device = torch.device("cuda")
-    layout = _layout(hkv, d, group)
-    cache = PagedKVCache([layout], batch * layout.pages_needed(context), batch, context, device)
-    gen = torch.Generator().manual_seed(0)
-    _fill_random(cache, gen)
-    slots = [cache.open_slot() for _ in range(batch)]
-    for slot in slots:
-        cache.reserve(slot, context)
-        cache.lengths[slot] = context - 1
-    step = cache.step(slots, [1] * batch)
-    q = torch.randn(batch, hq, d, generator=gen).bfloat16().to(device)
-    k = torch.randn(batch, hkv, d, generator=gen).bfloat16().to(device)
-    v = torch.randn(batch, hkv, d, generator=gen).bfloat16().to(device)
-    end = layout.history_end(context)
-    nbytes = ((end - layout.sink_tokens) * batch * hkv * layout.history_bytes_per_token()
-              + batch * hkv * (context - (end - layout.sink_tokens)) * d * 4 + 2 * q.numel() * 2)
-    return cache.layers[0], step, q, k, v, nbytes
 
 
 def main() -> None:
@@ -49,7 +28,9 @@ def main() -> None:
     print(f"copy bandwidth {copy:.0f} GB/s")
     for shape in args.shapes.split(","):
         batch, context = (int(x) for x in shape.split("x"))
-        layer, step, q, k, v, nbytes = case(batch, context)
+        case = decode_case(batch, context)
+        layer, step, q, k, v = case.layer, case.step, case.q, case.k_new, case.v_new
+        nbytes = decode_bytes(case, context)
         scale = 128 ** -0.5
         expected = reference.attention_reference(layer, step, q, k, v, scale)
         base_splits = choose_splits(layer, batch, 1, 32, context, q.device)
@@ -81,7 +62,7 @@ def main() -> None:
         best = min(results)
         print(f"BEST {shape}: {best[0]:.1f} us ({nbytes / best[0] / 1e3 / copy:.1%} of copy) "
               f"block_n={best[1]} warps={best[2]} stages={best[3]} splits={best[4]} err={best[5]:.1e}")
-        del layer, step
+        del case, layer, step
         torch.cuda.empty_cache()
 
 

@@ -19,16 +19,30 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def plot_ppl(rows: list[dict], path: str | Path, title: str) -> Path:
-    """Bar chart of perplexity relative to BF16 per method, with bits per element in the labels."""
+def _pyplot():
+    """matplotlib.pyplot on the file-only backend (no display needed)."""
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_ppl(rows: list[dict], path: str | Path, title: str) -> Path:
+    """Bar chart of perplexity relative to BF16 per method, with bits per element in the labels."""
+    import matplotlib.ticker
+
+    fig, ax = _pyplot().subplots(figsize=(6, 3.5))
     labels = [f"{r['method']}\n{r['bits_per_element']:.2f} b/elt" for r in rows]
     values = [r["ppl_ratio"] for r in rows]
     bars = ax.bar(labels, values, color=["#888" if r["method"] == "bf16" else "#3a7" for r in rows])
@@ -40,22 +54,12 @@ def plot_ppl(rows: list[dict], path: str | Path, title: str) -> Path:
     for bar, value in zip(bars, values):
         ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_niah(rows: list[dict], path: str | Path, title: str) -> Path:
     """Exact-match accuracy vs prompt length, one line per method (all needles, and those in INT2)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    fig, axes = _pyplot().subplots(1, 2, figsize=(9, 3.5), sharey=True)
     for key, ax, label in ((("accuracy", axes[0], "all needles")), ("history_accuracy", axes[1], "needles stored in INT2")):
         for method in dict.fromkeys(r["method"] for r in rows):
             points = sorted((r["length"], r[key]) for r in rows if r["method"] == method and r[key] is not None)
@@ -68,8 +72,4 @@ def plot_niah(rows: list[dict], path: str | Path, title: str) -> Path:
     axes[0].set_ylabel("exact match %")
     axes[1].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -89,15 +89,27 @@ def _sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                 group: int = 128, copy_gbs: float | None = None, seed: int = 0, device: str = "cuda",
-                 timer=_time_us) -> AttentionResult:
-    """One decode step at `context` tokens per sequence. `timer(fn) -> microseconds`."""
+@dataclass
+class DecodeCase:
+    """One decode step over a randomly filled paged cache: every slot holds context - 1 tokens."""
+    cache: PagedKVCache
+    slots: list[int]
+    step: object  # StepBatch
+    q: torch.Tensor  # [B, Hq, D]
+    k_new: torch.Tensor  # [B, Hkv, D]
+    v_new: torch.Tensor
+
+    @property
+    def layer(self):
+        return self.cache.layers[0]
+
+
+def decode_case(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                group: int = 128, seed: int = 0, device: str = "cuda") -> DecodeCase:
     device = torch.device(device)
     layout = _layout(kv_heads, head_dim, group)
     cache = PagedKVCache([layout], batch * layout.pages_needed(context), batch, context, device)
     gen = torch.Generator().manual_seed(seed)
-    layer = cache.layers[0]
     _fill_random(cache, gen)
     slots = [cache.open_slot() for _ in range(batch)]
     for slot in slots:  # every slot already holds context - 1 tokens; the step adds one
@@ -107,6 +119,27 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     q = torch.randn(batch, query_heads, head_dim, generator=gen).bfloat16().to(device)
     k_new = torch.randn(batch, kv_heads, head_dim, generator=gen).bfloat16().to(device)
     v_new = torch.randn(batch, kv_heads, head_dim, generator=gen).bfloat16().to(device)
+    return DecodeCase(cache, slots, step, q, k_new, v_new)
+
+
+def decode_bytes(case: DecodeCase, context: int) -> int:
+    """Bytes one decode step must read: history codes, scales and zeros, BF16 sink and ring
+    (the step's own key/value included), and the queries and outputs."""
+    layout = case.layer.layout
+    batch, kv_heads = case.k_new.shape[:2]
+    history = layout.history_end(context) - layout.sink_tokens
+    return (history * batch * kv_heads * layout.history_bytes_per_token()
+            + batch * kv_heads * (context - history) * layout.head_dim * 2 * 2 + 2 * case.q.numel() * 2)
+
+
+def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                 group: int = 128, copy_gbs: float | None = None, seed: int = 0, device: str = "cuda",
+                 timer=_time_us) -> AttentionResult:
+    """One decode step at `context` tokens per sequence. `timer(fn) -> microseconds`."""
+    case = decode_case(batch, context, query_heads, kv_heads, head_dim, group, seed, device)
+    device = torch.device(device)
+    cache, layout, layer, slots, step = case.cache, case.layer.layout, case.layer, case.slots, case.step
+    q, k_new, v_new = case.q, case.k_new, case.v_new
     scale = head_dim ** -0.5
     splits = choose_splits(layer, batch, 1, query_heads, context, device)
     out = torch.empty_like(q)
@@ -143,10 +176,7 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     sdpa_gap = (reference_out.float() - out.float()).abs().max().item()
     sdpa_us = timer(sdpa_fn)
     int2_us = timer(int2)
-    hist = (end - layout.sink_tokens) * batch * kv_heads
-    int2_bytes = (hist * layout.history_bytes_per_token()
-                  + batch * kv_heads * (context - 1 - (end - layout.sink_tokens) + 1) * head_dim * 2 * 2
-                  + 2 * q.numel() * 2)
+    int2_bytes = decode_bytes(case, context)
     sdpa_bytes = 2 * k_full.numel() * 2 + 2 * q.numel() * 2
     copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
     int2_gbs = int2_bytes / int2_us / 1e3

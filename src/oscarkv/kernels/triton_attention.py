@@ -102,8 +102,19 @@ def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, 
 
 
 @triton.jit
-def _weighted_codes(p, alpha, acc, corr, vc_ptr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.constexpr,
-                    P: tl.constexpr):
+def _softmax_weights(s, visible, m, l):
+    """Base-2 online softmax over one key block: the new running max, the block's probabilities
+    p = 2^(s - max), the factor alpha that rescales the earlier sums, and the new sum l."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    return m_new, p, alpha, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _weighted_codes(p, alpha, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr):
     """Probabilities of group g weighted by the value scales (float16) and the new zero correction
     corr·alpha + Σ_n p_n·s_n·z_n, computed from the same rounded weights as the dots."""
     scale, zero = _page_params(vs_ptr, vz_ptr, row0, g, NG, P)
@@ -116,24 +127,19 @@ def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_p
                   P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
     """Online-softmax step over one page of quantized values. The accumulators a_i hold
     Σ p·s·c in units of 2^-24 and z_g holds Σ p·s·z, so that the output is a·2^24 - z."""
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m - m_safe)
-    l = l * alpha + tl.sum(p, 1)
+    m_new, p, alpha, l = _softmax_weights(s, visible, m, l)
     v0, v1, v2, v3 = _page_codes(vc_ptr, row0, P, D, BITS)
-    w0, z0 = _weighted_codes(p, alpha, a0, z0, vc_ptr, vs_ptr, vz_ptr, row0, 0, NG, P)
+    w0, z0 = _weighted_codes(p, alpha, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
     if NG == 1:
         w1, w2, w3 = w0, w0, w0
         z1, z2, z3 = z0, z0, z0
     elif NG == 2:
-        w2, z2 = _weighted_codes(p, alpha, a2, z2, vc_ptr, vs_ptr, vz_ptr, row0, 1, NG, P)
+        w2, z2 = _weighted_codes(p, alpha, z2, vs_ptr, vz_ptr, row0, 1, NG, P)
         w1, z1, w3, z3 = w0, z0, w2, z2
     else:
-        w1, z1 = _weighted_codes(p, alpha, a1, z1, vc_ptr, vs_ptr, vz_ptr, row0, 1, NG, P)
-        w2, z2 = _weighted_codes(p, alpha, a2, z2, vc_ptr, vs_ptr, vz_ptr, row0, 2, NG, P)
-        w3, z3 = _weighted_codes(p, alpha, a3, z3, vc_ptr, vs_ptr, vz_ptr, row0, 3, NG, P)
+        w1, z1 = _weighted_codes(p, alpha, z1, vs_ptr, vz_ptr, row0, 1, NG, P)
+        w2, z2 = _weighted_codes(p, alpha, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
+        w3, z3 = _weighted_codes(p, alpha, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
     a0 = tl.dot(w0, v0, a0 * alpha[:, None])
     a1 = tl.dot(w1, v1, a1 * alpha[:, None])
     a2 = tl.dot(w2, v2, a2 * alpha[:, None])
@@ -159,12 +165,7 @@ def _softmax_step(s, visible, m, l, a0, a1, a2, a3, v0, v1, v2, v3):
     range (|x| < 65504), 3 more mantissa bits than BF16 for the probabilities, and one code
     path that the CPU interpreter (whose BF16 dot is wrong) tests as it runs on the GPU.
     """
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m - m_safe)
-    l = l * alpha + tl.sum(p, 1)
+    m_new, p, alpha, l = _softmax_weights(s, visible, m, l)
     pv = p.to(tl.float16)
     a0 = a0 * alpha[:, None] + tl.dot(pv, v0.to(tl.float16))
     a1 = a1 * alpha[:, None] + tl.dot(pv, v1.to(tl.float16))
