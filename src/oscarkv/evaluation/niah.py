@@ -68,7 +68,7 @@ def _sentences(text: str) -> list[str]:
 
 def build_cases(tokenizer, haystack: str, lengths: list[int], depths: list[float], trials: int, cache: CacheConfig,
                 bos_id: int | None = None, seed: int = 0) -> list[NiahCase]:
-    """Prompts of about `lengths` tokens each (exactly, after trimming the haystack), one per depth and trial."""
+    """One prompt per length, depth and trial, of at most `lengths` tokens (the haystack is cut at a sentence)."""
     rng = random.Random(seed)
     sentences = _sentences(haystack)
     if not sentences:
