@@ -264,6 +264,50 @@ def cmd_bench_attention(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .models import load_model
+    from .serving.api import create_app
+    from .serving.build import build_engine
+    from .serving.engine import EngineConfig
+
+    if args.method not in ("bf16", "naive", "hadamard", "int4") and args.rotations is None:
+        raise OscarError(f"method {args.method!r} needs --rotations FILE (make one with `oscarkv calibrate "
+                         f"{args.model} --out FILE`), or serve --method bf16.")
+    model, tokenizer = load_model(args.model, device=args.device)
+    config = EngineConfig(max_seqs=args.max_seqs, max_context=args.max_context or min(
+        4096, getattr(model.config, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
+        max_waiting=args.max_waiting)
+    budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
+    engine = build_engine(model, tokenizer, args.method, args.rotations, config, budget)
+    usage = engine.cache.usage()
+    pages = f", {usage.pages_total} INT2 pages" if usage.pages_total else ""
+    print(f"oscarkv serve: {args.model} ({args.method} cache on {model.device}{pages}, "
+          f"{usage.bytes_total / 2**20:.0f} MiB of KV tensors), {config.max_seqs} slots x {config.max_context} tokens; "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(engine, args.served_name or args.model), host=args.host, port=args.port,
+                log_level=args.log_level)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    import asyncio
+
+    from tqdm import tqdm
+
+    from .assets import load_text
+    from .serving.loadtest import LoadConfig, format_report, run_load
+
+    config = LoadConfig(args.url.rstrip("/"), args.clients, args.duration, args.prompt_words, args.max_tokens,
+                        args.disconnect_every, args.probe_interval)
+    words = load_text(args.text).split()
+    with tqdm(desc="completed requests", unit="req", disable=args.json) as progress:
+        report = asyncio.run(run_load(config, words, progress))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscarkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -333,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="GPU benchmarks (need a CUDA GPU)")
+    p = sub.add_parser("bench", help="benchmarks: attention (CUDA GPU), serve (a running server)")
     bench_sub = p.add_subparsers(dest="bench", required=True)
     b = bench_sub.add_parser("attention", help="INT2 decode kernel vs BF16 SDPA on one layer (32q/8kv/128)")
     b.add_argument("--shapes", default="1x8192,1x32768,1x65536,1x131072,32x8192,32x32768",
@@ -341,6 +385,36 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--write-tokens", type=int, default=32768, help="prompt length for the write-path throughput")
     b.add_argument("--json", action="store_true", help="print the results as JSON")
     b.set_defaults(func=cmd_bench_attention)
+    b = bench_sub.add_parser("serve", help="load and fault test of a running OpenAI-compatible server (any device)")
+    b.add_argument("--url", default="http://127.0.0.1:8000")
+    b.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    b.add_argument("--duration", type=float, default=120.0, help="seconds of load")
+    b.add_argument("--prompt-words", type=int, default=600, help="words of prose per prompt")
+    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--disconnect-every", type=int, default=5, help="every Nth request of a client hangs up (0: none)")
+    b.add_argument("--probe-interval", type=float, default=2.0, help="seconds between bad-request probes")
+    b.add_argument("--text", default="news", help="prose for the prompts: a built-in text or a file")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_serve)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching over the INT2 cache")
+    p.add_argument("model", help="built-in alias, HF directory or .gguf file")
+    p.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for oscar)")
+    p.add_argument("--method", default="oscar", choices=["oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16"],
+                   help="KV cache: oscar (default; paged INT2), another INT method, or bf16 (the baseline)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-name", default=None, help="model name in the API (default: MODEL as given)")
+    p.add_argument("--max-seqs", type=int, default=32, help="sequences decoded together (default %(default)s)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="prompt + output tokens per request (default: the model's, at most 4096)")
+    p.add_argument("--kv-memory", type=float, default=None,
+                   help="GiB for the KV cache (default: enough for every slot at --max-context)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before HTTP 503")
+    p.add_argument("--device", default=None)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="print an artifact's metadata")
     p.add_argument("rotations")

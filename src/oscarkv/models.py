@@ -19,6 +19,8 @@ from torch import nn
 from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, asset_path, assembled_path, cache_dir
 from .calibration.artifact import ModelIdentity
 from .errors import AssetError, UnsupportedModelError
+from .random_models import PREFIX as RANDOM_PREFIX
+from .random_models import random_model
 
 ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "gemma3-270m": GEMMA3_GGUF, "qwen2.5-coder-1.5b": QWEN25_CODER_GGUF}
 DEFAULT_MODEL = "smollm2-135m"
@@ -166,7 +168,7 @@ def resolve_model(name: str) -> Path:
         return path
     raise AssetError(
         f"model {name!r} is not a built-in alias ({', '.join(ALIASES)}), a local Hugging Face directory "
-        "(with config.json) or a .gguf file. Pass one of those; models are never downloaded from a hub."
+        "(with config.json), a .gguf file or a random-weight architecture (random:qwen3-4b, random:qwen3-8b). Pass one of those; models are never downloaded from a hub."
     )
 
 
@@ -179,9 +181,13 @@ def load_model(name: str, device: str | torch.device | None = None, dtype: torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    directory = resolve_model(name)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if name.startswith(RANDOM_PREFIX):
+        model, tokenizer = random_model(name, device, dtype)
+        model.oscar_source = name
+        return model, tokenizer
+    directory = resolve_model(name)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -222,6 +222,7 @@ class PagedKVCache:
         self.pages[slot] = []
         self.lengths[slot] = 0
         self._free_slots.append(slot)
+        self._free_slots.sort(reverse=True)  # lowest slot first, so full batches stay slots 0..B-1
 
     def reserve(self, slot: int, new_length: int) -> None:
         """Make sure `slot` has the pages a length of `new_length` needs (all or nothing)."""

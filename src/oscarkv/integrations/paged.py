@@ -33,7 +33,16 @@ def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, he
                         recent_tokens=config.recent_tokens) for spec in specs]
 
 
-class PagedOscarLayer(DynamicLayer):
+class AttendingLayer(DynamicLayer):
+    """A cache layer that computes attention itself: the "oscar" attention function hands it the
+    queries (`attend`) instead of reading keys and values out of it."""
+
+    def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
+        raise NotImplementedError
+
+
+class PagedOscarLayer(AttendingLayer):
     """One layer: its write spec, and the step's rotated keys and values for the attention."""
 
     def __init__(self, index: int, spec: LayerSpec, owner: PagedOscarCache) -> None:

@@ -30,7 +30,7 @@ from ..calibration.artifact import RotationArtifact
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 from ..kernels.ops import triton_available
-from .paged import PagedOscarCache, PagedOscarLayer, paged_layouts
+from .paged import AttendingLayer, PagedOscarCache, paged_layouts
 from ..models import attention_modules, attention_shape, model_identity
 
 ATTENTION_NAME = "oscar"
@@ -81,9 +81,9 @@ class OscarState:
 def oscar_attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask, scaling=None,
                     dropout: float = 0.0, sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """Attention function registered as "oscar": reads the compressed cache through its handle."""
-    if isinstance(key, PagedOscarLayer):
+    if isinstance(key, AttendingLayer):
         if softcap:
-            raise OscarError("the paged cache's kernels do not apply attention logit soft-capping; "
+            raise OscarError("the paged and serving caches do not apply attention logit soft-capping; "
                              "use CacheConfig(kernel='reference') for this model.")
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         return key.attend(query, scaling, sliding_window), None

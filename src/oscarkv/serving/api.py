@@ -1,0 +1,269 @@
+"""The OpenAI-compatible HTTP API of `oscarkv serve` (FastAPI; run by uvicorn).
+
+Endpoints: POST /v1/completions and /v1/chat/completions (with `"stream": true` as
+server-sent events, ending with `data: [DONE]`), GET /v1/models, /health and /metrics
+(Prometheus text: KV pages and bytes, slots, queue, request and token counters, process RSS).
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
+body or a request the context cannot hold, 404 for another model name, 503 when the queue
+is full or the engine has stopped. A client that disconnects frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import Engine, Event, RequestRejected, SamplingParams
+
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, logit_bias, ...)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream_options: dict | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] = Field(..., description="text, or token ids")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def create_app(engine: Engine, served_model: str) -> FastAPI:
+    """The app over a started or not-yet-started engine (it is started and stopped with the app)."""
+    tokenizer = engine.tokenizer
+    max_context = engine.config.max_context
+    created = int(time.time())
+
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="oscarkv", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            where = ""
+            message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', message)})"
+        return _error(400, f"{where + ': ' if where else ''}{message}", "invalid_request", where or None)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return _error(503, f"the engine is not running ({engine.crashed or 'stopped'}).", "engine_down")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
+                                            "owned_by": "oscarkv", "max_model_len": max_context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_metrics_text(engine), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        prompt = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt).input_ids
+        if isinstance(body.prompt, list) and any(t < 0 or t >= len(tokenizer) for t in body.prompt):
+            return _error(400, f"prompt token ids must lie in [0, {len(tokenizer)}).", "invalid_request", "prompt")
+        return await _run(body, request, prompt, body.max_tokens or 16, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        if getattr(tokenizer, "chat_template", None) is None:
+            return _error(400, "this model has no chat template; use /v1/completions.", "no_chat_template")
+        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]
+        room = max(1, max_context - len(prompt))
+        return await _run(body, request, prompt, body.max_completion_tokens or body.max_tokens
+                          or min(DEFAULT_CHAT_MAX_TOKENS, room), chat=True)
+
+    async def _run(body: _Body, request: Request, prompt: list[int], max_tokens: int, chat: bool):
+        if body.model is not None and body.model != served_model:
+            return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
+                          "model_not_found", "model")
+        if not engine.alive:
+            return _error(503, "the engine is not running; see /health.", "engine_down")
+        stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
+        params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s))
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        try:
+            seq = engine.submit(prompt, params, emit)
+        except RequestRejected as exc:
+            return _error(exc.status, str(exc), exc.code)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        shape = _Shape(rid, served_model, chat)
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(engine, seq, events, shape, usage), media_type="text/event-stream")
+        text, last = [], None
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        engine.cancel(seq)
+                        return _error(499, "client closed the request", "client_closed")
+                    continue
+                if event.kind == "error":
+                    return _error(500, event.text, "generation_failed")
+                text.append(event.text)
+                if event.kind == "done":
+                    last = event
+                    break
+        except asyncio.CancelledError:
+            engine.cancel(seq)
+            raise
+        return shape.full("".join(text), last)
+
+    return app
+
+
+class _Shape:
+    """OpenAI response objects for one request."""
+
+    def __init__(self, rid: str, model: str, chat: bool) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time())
+
+    def _wrap(self, choice: dict, chunk: bool, usage: dict | None = None) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        out = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    @staticmethod
+    def usage(event: Event) -> dict:
+        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+                "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+    def full(self, text: str, last: Event) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        return self._wrap(choice, chunk=False, usage=self.usage(last))
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._wrap(choice, chunk=True)
+
+
+async def _stream(engine: Engine, seq, events: asyncio.Queue, shape: _Shape, include_usage: bool):
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    try:
+        if shape.chat:
+            yield sse(shape.chunk("", first=True))
+        while True:
+            event = await events.get()
+            if event.kind == "error":
+                yield sse({"error": {"message": event.text, "type": "server_error", "code": "generation_failed"}})
+                break
+            if event.kind == "token":
+                yield sse(shape.chunk(event.text))
+                continue
+            if event.text:
+                yield sse(shape.chunk(event.text))
+            yield sse(shape.chunk(None, event.finish_reason))
+            if include_usage:
+                yield sse({**shape._wrap({}, chunk=True), "choices": [], "usage": shape.usage(event)})
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not seq.finished:
+            engine.cancel(seq)  # the client went away mid-stream
+
+
+def _metrics_text(engine: Engine) -> str:
+    usage = engine.cache.usage()
+    load = engine.load()
+    c = engine.counters
+    rows = [
+        ("oscarkv_kv_pages_total", "gauge", "INT2 history pages in the pool", usage.pages_total),
+        ("oscarkv_kv_pages_used", "gauge", "pages holding history now", usage.pages_used),
+        ("oscarkv_kv_pages_free", "gauge", "pages not holding history", usage.pages_total - usage.pages_used),
+        ("oscarkv_kv_pages_promised", "gauge", "pages promised to admitted requests", usage.pages_promised),
+        ("oscarkv_kv_bytes_total", "gauge", "bytes of all KV cache tensors", usage.bytes_total),
+        ("oscarkv_kv_bytes_used", "gauge", "bytes of KV held for open sequences", usage.bytes_used),
+        ("oscarkv_slots_total", "gauge", "sequence slots", usage.slots_total),
+        ("oscarkv_slots_used", "gauge", "sequence slots in use", usage.slots_used),
+        ("oscarkv_requests_running", "gauge", "requests holding a slot", load["running"]),
+        ("oscarkv_requests_waiting", "gauge", "requests queued for a slot", load["waiting"]),
+        ("oscarkv_requests_completed_total", "counter", "requests that ended normally", c.completed),
+        ("oscarkv_requests_cancelled_total", "counter", "requests whose client went away", c.cancelled),
+        ("oscarkv_requests_failed_total", "counter", "requests ended by an error", c.failed),
+        ("oscarkv_requests_rejected_total", "counter", "requests refused at submission", c.rejected),
+        ("oscarkv_prompt_tokens_total", "counter", "prompt tokens prefilled", c.prompt_tokens),
+        ("oscarkv_generation_tokens_total", "counter", "tokens generated", c.generated_tokens),
+        ("oscarkv_engine_steps_total", "counter", "scheduler steps run", c.steps),
+        ("oscarkv_engine_step_seconds_total", "counter", "seconds spent in scheduler steps", round(c.step_seconds, 6)),
+        ("process_resident_memory_bytes", "gauge", "resident memory of the server process", _rss_bytes()),
+    ]
+    lines = []
+    for name, kind, doc, value in rows:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"

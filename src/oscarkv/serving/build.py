@@ -1,0 +1,50 @@
+"""Load a model, patch it for a method and put an engine over the matching slot cache."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import CacheConfig, QuantConfig
+from ..errors import OscarError
+from .engine import Engine, EngineConfig
+from .slots import DenseSlotCache, PagedSlotCache
+
+SERVE_METHODS = ("oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16")
+
+
+def build_engine(model, tokenizer, method: str = "oscar", rotations=None, config: EngineConfig | None = None,
+                 kv_memory_bytes: int | None = None, quant: QuantConfig | None = None,
+                 cache: CacheConfig | None = None, backend: str = "auto") -> Engine:
+    """Patch `model` (loaded, on its device) for `method` and return an engine over its cache.
+
+    INT2/INT4 methods run on the paged cache (Triton kernels on CUDA, their torch references on
+    the CPU); `bf16` on the dense BF16 slot cache. kv_memory_bytes: the KV budget (default: every
+    slot can hold max_context tokens). backend: for the paged cache, "auto" (Triton on CUDA, the
+    torch references elsewhere), "triton" or "torch".
+    """
+    import oscarkv
+
+    if method not in SERVE_METHODS:
+        raise OscarError(f"method {method!r} cannot be served; choose from {', '.join(SERVE_METHODS)}.")
+    config = config or EngineConfig()
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and config.max_context > limit:
+        raise OscarError(f"--max-context {config.max_context} is longer than the model's {limit} positions.")
+    cache = replace(cache or CacheConfig(), kernel="paged" if method != "bf16" else "reference",
+                    max_context=config.max_context)
+    oscarkv.patch(model, rotations, method=method, quant=quant, cache=cache)
+    state = model.oscar
+    device = next(model.parameters()).device
+    if method == "bf16":
+        slot_cache = DenseSlotCache(len(state.specs), config.max_seqs, config.max_context, state.cache.window_dtype,
+                                    state.kv_heads, state.head_dim)
+        if kv_memory_bytes is not None and slot_cache.usage().bytes_total > kv_memory_bytes:
+            fit = kv_memory_bytes // (config.max_context * slot_cache.bytes_per_token)
+            raise OscarError(f"the BF16 cache of {config.max_seqs} slots x {config.max_context} tokens needs "
+                             f"{slot_cache.usage().bytes_total / 2**30:.2f} GiB, more than --kv-memory; "
+                             f"use --max-seqs {max(1, fit)} or a shorter --max-context.")
+        return Engine(model, tokenizer, slot_cache, config)
+    state.uses_paged(device)  # raises, naming the reason, if the paged cache cannot take this model
+    pages = PagedSlotCache.pages_for_budget(state, config.max_seqs, config.max_context, kv_memory_bytes)
+    slot_cache = PagedSlotCache(state, config.max_seqs, pages, config.max_context, device, backend)
+    return Engine(model, tokenizer, slot_cache, config)

@@ -1,0 +1,359 @@
+"""Continuous batching over a slot cache: the scheduler behind `oscarkv serve`.
+
+One thread owns the model and the cache and runs steps. Each step:
+1. closes the slots of finished and cancelled requests;
+2. admits waiting requests, oldest first, while a slot is free and the cache can promise
+   the request's prompt plus max_tokens (so no running request ever meets a full cache);
+3. runs one prefill chunk (at most `prefill_chunk` prompt tokens of the oldest request
+   still reading its prompt), so a long prompt never stalls the streams already running;
+4. runs one decode step for every request that has read its prompt, as one batch.
+
+Requests arrive from any thread through `submit`; what happens to them comes back through
+the `emit` callback each one carries (a token's text, the end, or an error).
+
+transformers' own continuous batching (`generate_batch` and `transformers serve`) was
+checked first: it owns its cache (`PagedAttentionCache`, BF16 pages in a flat layout) and
+its attention entry points, so an INT2 cache would mean replacing its internals, which
+change from one transformers release to the next. This scheduler instead drives the
+patched model through the public forward and the Cache interface that the rest of
+oscarkv already uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import OscarError
+
+log = logging.getLogger("oscarkv.serving")
+
+
+class RequestRejected(OscarError):
+    """A request the server will not run; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens: tokens to generate at most; temperature 0 is greedy; top_p in (0, 1]."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_seqs: sequences decoded together; max_context: prompt + output tokens per request;
+    prefill_chunk: prompt tokens per prefill forward; max_waiting: queued requests before
+    new ones get HTTP 503."""
+
+    max_seqs: int = 32
+    max_context: int = 4096
+    prefill_chunk: int = 512
+    max_waiting: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs", "max_context", "prefill_chunk", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise OscarError(f"{name}={getattr(self, name)} must be >= 1.")
+
+
+@dataclass
+class Event:
+    """kind: "token" (text is the new text, maybe empty), "done" (finish_reason "stop" or "length"),
+    or "error" (text is the message)."""
+
+    kind: str
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    arrived: float = field(default_factory=time.monotonic)
+    slot: int = -1
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    text_sent: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens_needed(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def reading_prompt(self) -> bool:
+        return self.prefilled < len(self.prompt_ids)
+
+
+@dataclass
+class EngineCounters:
+    """Totals since start, for /metrics."""
+
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+
+
+class Engine:
+    """Continuous batching of a patched model over a slot cache (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, cache, config: EngineConfig) -> None:
+        self.model, self.tokenizer, self.cache, self.config = model, tokenizer, cache, config
+        self.device = next(model.parameters()).device
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.counters = EngineCounters()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_id = 0
+        self.crashed: BaseException | None = None
+
+    # ---- from any thread -------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Sequence:
+        """Queue a request, or raise RequestRejected saying why it cannot run."""
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty.")
+        limit = self.config.max_context
+        if len(prompt_ids) + params.max_tokens > limit:
+            self.counters.rejected += 1
+            raise RequestRejected(
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: together more than "
+                f"this server's context of {limit} tokens; shorten the prompt or lower max_tokens.",
+                code="context_length_exceeded")
+        units = self.cache.units_for(len(prompt_ids) + params.max_tokens)
+        if units > self.cache.capacity_units() > 0:
+            self.counters.rejected += 1
+            raise RequestRejected(
+                f"the request needs {units} KV pages but the whole cache has {self.cache.capacity_units()}; "
+                "lower max_tokens or the prompt, or start the server with a larger --kv-memory.",
+                code="kv_cache_too_small")
+        with self._lock:
+            if len(self._waiting) >= self.config.max_waiting:
+                self.counters.rejected += 1
+                raise RequestRejected(f"{len(self._waiting)} requests are already waiting; retry later.", status=503,
+                                      code="server_busy")
+            seq = Sequence(self._next_id, list(prompt_ids), params, emit)
+            self._next_id += 1
+            if params.seed is not None and params.temperature > 0:
+                seq.generator = torch.Generator().manual_seed(params.seed)
+            self._waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: free its slot at the next step; no more events are sent."""
+        seq.cancelled = True
+        self._wake.set()
+
+    def load(self) -> dict[str, int]:
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="oscarkv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.crashed is None
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.step():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+        except BaseException as exc:  # the loop itself broke: fail everyone, say so on /health
+            self.crashed = exc
+            log.exception("the engine loop stopped")
+            for seq in list(self._running) + list(self._waiting):
+                self._fail(seq, f"the server's engine stopped: {exc}")
+            raise
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One scheduling step (see the module docstring). Returns False when there was nothing to do."""
+        started = time.perf_counter()
+        for seq in [s for s in self._running if s.cancelled or s.finished]:
+            self._release(seq)
+        self._admit()
+        prefilling = [s for s in self._running if s.reading_prompt]
+        decoding = [s for s in self._running if not s.reading_prompt]
+        if not prefilling and not decoding:
+            return False
+        if prefilling:
+            self._guarded([prefilling[0]], self._prefill_chunk)
+        if decoding:
+            self._guarded(decoding, self._decode)
+        self.counters.steps += 1
+        self.counters.step_seconds += time.perf_counter() - started
+        return True
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._waiting:
+                seq = self._waiting[0]
+                if seq.cancelled:
+                    self._waiting.popleft()
+                    self.counters.cancelled += 1
+                    continue
+                if not self.cache.can_open(seq.tokens_needed):
+                    break
+                self._waiting.popleft()
+                seq.slot = self.cache.open(seq.tokens_needed)
+                self._running.append(seq)
+
+    def _guarded(self, seqs: list[Sequence], run: Callable[[list[Sequence]], None]) -> None:
+        """Run a forward; if it raises, fail just these requests and keep serving."""
+        try:
+            run(seqs)
+        except Exception as exc:
+            log.exception("a forward failed")
+            for seq in seqs:
+                self._fail(seq, f"generation failed: {exc}")
+
+    def _forward(self, seqs: list[Sequence], ids: list[list[int]]) -> torch.Tensor:
+        """Append `ids` (one equal-length row per sequence) to their slots; last-position logits [B, V]."""
+        n = len(ids[0])
+        starts = [self.cache.length(s.slot) for s in seqs]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None] + torch.arange(
+            n, device=self.device)[None]
+        self.cache.set_batch([s.slot for s in seqs])
+        out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        self.cache.advance(n)
+        return out.logits[:, -1].float()
+
+    def _prefill_chunk(self, seqs: list[Sequence]) -> None:
+        seq = seqs[0]
+        chunk = seq.prompt_ids[seq.prefilled:seq.prefilled + self.config.prefill_chunk]
+        logits = self._forward([seq], [chunk])
+        seq.prefilled += len(chunk)
+        self.counters.prompt_tokens += len(chunk)
+        if not seq.reading_prompt:
+            self._accept(seq, self._sample(seq, logits[0]))
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        logits = self._forward(seqs, [[s.generated[-1]] for s in seqs])
+        for seq, row in zip(seqs, logits):
+            self._accept(seq, self._sample(seq, row))
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        p = seq.params
+        if p.temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.cpu() / p.temperature, dim=-1)
+        if p.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p  # always keeps the most likely token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        """Record a sampled token, send its text, and end the request when it is done."""
+        if seq.cancelled:
+            return
+        self.counters.generated_tokens += 1
+        if token in self.eos_ids:
+            self._finish(seq, "stop", final_text=self._text(seq))
+            return
+        seq.generated.append(token)
+        text = self._text(seq)
+        for stop in seq.params.stop:
+            at = text.find(stop, max(0, seq.text_sent - len(stop)))
+            if at >= 0:
+                self._finish(seq, "stop", final_text=text[:at])
+                return
+        if len(seq.generated) >= seq.params.max_tokens:
+            self._finish(seq, "length", final_text=text)
+            return
+        # Hold back what could still turn into a stop string, and half-decoded characters.
+        hold = max((len(s) - 1 for s in seq.params.stop), default=0)
+        ready = len(text) - hold
+        while ready > seq.text_sent and text[ready - 1] == "\ufffd":
+            ready -= 1
+        if ready > seq.text_sent:
+            seq.emit(Event("token", text[seq.text_sent:ready]))
+            seq.text_sent = ready
+
+    def _text(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+
+    def _finish(self, seq: Sequence, reason: str, final_text: str) -> None:
+        rest = final_text[seq.text_sent:] if len(final_text) > seq.text_sent else ""
+        seq.finished = True
+        self.counters.completed += 1
+        seq.emit(Event("done", rest.rstrip("\ufffd"), reason, len(seq.prompt_ids), len(seq.generated)))
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        if not seq.finished and not seq.cancelled:
+            seq.emit(Event("error", message))
+        seq.finished = True
+        self.counters.failed += 1
+        with self._lock:
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.cancelled and not seq.finished:
+            self.counters.cancelled += 1
+        self._running.remove(seq)
+        if seq.slot >= 0:
+            self.cache.close(seq.slot)
+            seq.slot = -1
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,255 @@
+"""KV caches for continuous batching: a fixed pool of sequence slots that requests come and go from.
+
+The serving engine runs a patched model one step at a time over whichever sequences are
+active; before each forward it names them with `set_batch(slots, new_tokens)`. Two caches
+plug into the same attention function ("oscar", which calls the handle's `attend`):
+
+- `PagedSlotCache`: the paged INT2 cache of the GPU kernels (sink and recent windows in
+  BF16, history in INT2 pages from one shared pool). Pages are promised to a request when it
+  is admitted (for its prompt plus its max_tokens), so a running request never finds the
+  pool empty mid-stream.
+- `DenseSlotCache`: the BF16 baseline, every slot a contiguous [Hkv, max_context, D] buffer
+  for K and for V, attended with torch SDPA. Same engine, same model, same scheduler: only
+  the cache differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicCache
+
+from ..cache.paged import PagedKVCache
+from ..errors import OscarError
+from ..integrations.paged import AttendingLayer, PagedOscarCache
+from ..integrations.transformers import OscarState
+
+
+class SlotError(OscarError):
+    """A request the cache cannot hold (now or ever)."""
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """What /metrics reports. Pages exist only in the paged cache (0 for the dense one)."""
+
+    slots_total: int
+    slots_used: int
+    pages_total: int
+    pages_used: int
+    pages_promised: int
+    bytes_total: int
+    bytes_used: int
+
+
+class _SlotBook:
+    """Which slots are open and what each was promised; shared by both caches."""
+
+    def __init__(self, max_slots: int) -> None:
+        self.free = list(range(max_slots - 1, -1, -1))  # lowest slot first: full batches are 0..B-1
+        self.promised: dict[int, int] = {}
+
+    def take(self, units: int) -> int:
+        slot = self.free.pop()
+        self.promised[slot] = units
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        if slot not in self.promised:
+            raise SlotError(f"slot {slot} is not open.")
+        del self.promised[slot]
+        self.free.append(slot)
+        self.free.sort(reverse=True)
+
+    @property
+    def promised_total(self) -> int:
+        return sum(self.promised.values())
+
+
+class PagedSlotCache(PagedOscarCache):
+    """The paged INT2 cache with slots opened and closed per request (see the module docstring)."""
+
+    def __init__(self, state: OscarState, max_slots: int, num_pages: int, max_context: int,
+                 device: torch.device, backend: str = "auto") -> None:
+        super().__init__(state.specs, state.cache, state.kv_heads, state.head_dim, max_context, backend)
+        self.storage = PagedKVCache(self.layouts, num_pages, max_slots, max_context, device,
+                                    state.cache.window_dtype)
+        self.book = _SlotBook(max_slots)
+        self.batch_slots: list[int] = []
+
+    @staticmethod
+    def pages_for_budget(state: OscarState, max_slots: int, max_context: int, budget_bytes: int | None) -> int:
+        """Pages that fit in `budget_bytes` after the slots' windows; all slots at full length if None."""
+        probe = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, max_context)
+        lay = probe.layouts[0]
+        if budget_bytes is None:
+            return max(1, max_slots * lay.pages_needed(max_context))
+        per_page = sum(x.kv_heads * x.page_size * x.history_bytes_per_token() for x in probe.layouts)
+        window_bytes = 2 if state.cache.window_dtype in (torch.bfloat16, torch.float16) else 4
+        windows = sum(2 * x.kv_heads * (x.sink_tokens + x.ring_capacity) * x.head_dim * window_bytes
+                      for x in probe.layouts) * max_slots
+        pages = (budget_bytes - windows) // per_page
+        if pages < 1:
+            raise SlotError(f"a KV budget of {budget_bytes / 2**20:.0f} MiB does not cover the BF16 windows of "
+                            f"{max_slots} slots ({windows / 2**20:.0f} MiB); raise the budget or lower --max-seqs.")
+        return int(pages)
+
+    def units_for(self, tokens: int) -> int:
+        return self.layouts[0].pages_needed(tokens)
+
+    def capacity_units(self) -> int:
+        return self.storage.allocator.num_pages
+
+    def can_open(self, tokens: int) -> bool:
+        return bool(self.book.free) and self.book.promised_total + self.units_for(tokens) <= self.capacity_units()
+
+    def open(self, tokens: int) -> int:
+        if not self.can_open(tokens):
+            raise SlotError(f"no room for a {tokens}-token sequence now.")
+        slot = self.storage.open_slot()
+        if slot != self.book.take(self.units_for(tokens)):
+            raise SlotError("slot bookkeeping diverged from the page cache.")
+        return slot
+
+    def close(self, slot: int) -> None:
+        self.book.give_back(slot)
+        self.storage.close_slot(slot)
+
+    def length(self, slot: int) -> int:
+        return self.storage.lengths[slot]
+
+    def set_batch(self, slots: list[int]) -> None:
+        """The slots of the next forward, in the order of its batch rows."""
+        self.batch_slots = list(slots)
+        longest = max((self.storage.lengths[s] for s in slots), default=0)
+        for layer in self.layers:
+            layer.length = longest  # what transformers sizes its (unused) mask by
+
+    def begin_step(self, layer_index: int, batch: int, new_tokens: int, device: torch.device):
+        if layer_index == 0:
+            if batch != len(self.batch_slots):
+                raise OscarError(f"set_batch named {len(self.batch_slots)} slots but the forward has {batch} rows.")
+            self._step = self.storage.step(self.batch_slots, [new_tokens] * batch)
+        if self._step is None:
+            raise OscarError("layer 0 must run before the others in a step.")
+        return self._step
+
+    def advance(self, new_tokens: int) -> None:
+        """Nothing to do: the paged cache advances its lengths when layer 0 reserves the step."""
+
+    def usage(self) -> CacheUsage:
+        alloc = self.storage.allocator
+        return CacheUsage(self.storage.max_slots, len(self.book.promised), alloc.num_pages, alloc.used_pages,
+                          self.book.promised_total, self.storage.nbytes(), self.storage.used_bytes())
+
+
+class DenseSlotLayer(AttendingLayer):
+    """One layer of the BF16 baseline: K and V [slots, Hkv, max_context, D]; a handle for "oscar"."""
+
+    def __init__(self, owner: DenseSlotCache) -> None:
+        super().__init__()
+        self.owner = owner
+        self.keys_store: torch.Tensor | None = None
+        self.values_store: torch.Tensor | None = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        o = self.owner
+        shape = (o.max_slots, key_states.shape[1], o.max_context, key_states.shape[3])
+        self.keys_store = torch.zeros(shape, dtype=o.dtype, device=key_states.device)
+        self.values_store = torch.zeros(shape, dtype=o.dtype, device=key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states: [B, Hkv, n, D] after RoPE, one row per slot of the batch."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        for row, (slot, start) in enumerate(zip(self.owner.batch_slots, self.owner.batch_starts)):
+            self.keys_store[slot, :, start:start + n] = key_states[row].to(self.owner.dtype)
+            self.values_store[slot, :, start:start + n] = value_states[row].to(self.owner.dtype)
+        self.length += n
+        return self, self
+
+    def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        """query: [B, Hq, n, D] -> [B, n, Hq, D]: SDPA over each row's stored positions (causal)."""
+        o = self.owner
+        b, hq, n, d = query.shape
+        starts = torch.tensor(o.batch_starts, device=query.device)
+        end = max(o.batch_starts) + n
+        lo, hi = min(o.batch_slots), max(o.batch_slots) + 1
+        if hi - lo == b and o.batch_slots == list(range(lo, hi)):
+            keys, values = self.keys_store[lo:hi, :, :end], self.values_store[lo:hi, :, :end]  # views, no copy
+        else:
+            index = torch.tensor(o.batch_slots, device=query.device)
+            keys, values = self.keys_store[index, :, :end], self.values_store[index, :, :end]
+        query_pos = starts[:, None] + torch.arange(n, device=query.device)[None]  # [B, n]
+        key_pos = torch.arange(end, device=query.device)
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]
+        if sliding_window:
+            visible &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
+        out = F.scaled_dot_product_attention(query.to(o.dtype), keys, values, attn_mask=visible[:, None],
+                                             scale=scaling, enable_gqa=hq != keys.shape[1])
+        return out.transpose(1, 2).to(query.dtype)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class DenseSlotCache(DynamicCache):
+    """The BF16 baseline for the serving engine (see the module docstring)."""
+
+    def __init__(self, num_layers: int, max_slots: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
+                 kv_heads: int = 1, head_dim: int = 1) -> None:
+        self.max_slots, self.max_context, self.dtype = max_slots, max_context, dtype
+        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        self.book = _SlotBook(max_slots)
+        self.lengths = [0] * max_slots
+        self.batch_slots: list[int] = []
+        self.batch_starts: list[int] = []
+        Cache.__init__(self, layers=[DenseSlotLayer(self) for _ in range(num_layers)])
+
+    def set_padding(self, attention_mask) -> None:  # called by the patched model's pre-hook
+        pass
+
+    def units_for(self, tokens: int) -> int:
+        return 0
+
+    def capacity_units(self) -> int:
+        return 0
+
+    def can_open(self, tokens: int) -> bool:
+        return bool(self.book.free) and tokens <= self.max_context
+
+    def open(self, tokens: int) -> int:
+        if not self.can_open(tokens):
+            raise SlotError(f"no room for a {tokens}-token sequence now.")
+        slot = self.book.take(0)
+        self.lengths[slot] = 0
+        return slot
+
+    def close(self, slot: int) -> None:
+        self.book.give_back(slot)
+        self.lengths[slot] = 0
+
+    def length(self, slot: int) -> int:
+        return self.lengths[slot]
+
+    def set_batch(self, slots: list[int]) -> None:
+        self.batch_slots = list(slots)
+        self.batch_starts = [self.lengths[s] for s in slots]
+        longest = max(self.batch_starts, default=0)
+        for layer in self.layers:
+            layer.length = longest
+
+    def advance(self, new_tokens: int) -> None:
+        """After a forward: every slot of the batch holds `new_tokens` more."""
+        for slot in self.batch_slots:
+            self.lengths[slot] += new_tokens
+
+    def usage(self) -> CacheUsage:
+        used = sum(self.lengths[s] for s in self.book.promised) * self.bytes_per_token
+        return CacheUsage(self.max_slots, len(self.book.promised), 0, 0, 0,
+                          self.max_slots * self.max_context * self.bytes_per_token, used)

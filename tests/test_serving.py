@@ -1,0 +1,305 @@
+"""`oscarkv serve`: the continuous-batching engine, the OpenAI API and a short load test.
+
+The scheduler tests run a tiny random Llama (fast); the equality and API tests run the real
+embedded model, each on its own copy (the engine patches the model it serves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from oscarkv import CacheConfig, QuantConfig
+from oscarkv.errors import OscarError
+from oscarkv.integrations.paged import PagedOscarCache
+from oscarkv.random_models import TokenIdTokenizer
+from oscarkv.serving.build import build_engine
+from oscarkv.serving.engine import EngineConfig, Event, RequestRejected, SamplingParams
+from oscarkv.serving.slots import DenseSlotCache, PagedSlotCache
+from tiny_models import VOCAB, tiny_model
+
+SMALL = CacheConfig(sink_tokens=16, recent_tokens=32, page_size=16)
+
+
+def _tiny_engine(method="hadamard", backend="torch", **config):
+    model = tiny_model("llama", head_dim=64, attention_scale=3.0)
+    settings = dict(max_seqs=4, max_context=256, prefill_chunk=512)
+    settings.update(config)
+    engine = build_engine(model, TokenIdTokenizer(VOCAB), method, config=EngineConfig(**settings),
+                          quant=QuantConfig(group_size=64), cache=SMALL, backend=backend)
+    engine.eos_ids = set()  # random weights: run every request to max_tokens
+    return engine
+
+
+def _prompt(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Collector:
+    def __init__(self):
+        self.events: list[Event] = []
+
+    def __call__(self, event):
+        self.events.append(event)
+
+    @property
+    def done(self):
+        return bool(self.events) and self.events[-1].kind in ("done", "error")
+
+
+def _drain(engine, limit=2000):
+    for _ in range(limit):
+        if not engine.step():
+            return
+    raise AssertionError("the engine did not go idle")
+
+
+def _reference_tokens(engine, prompt, n, chunk=None):
+    """Greedy tokens for one sequence alone on a fresh cache of the same kind, its prompt read in
+    chunks of `chunk` tokens (as the engine's chunked prefill does), then one token per forward."""
+    model, state = engine.model, engine.model.oscar
+    if isinstance(engine.cache, PagedSlotCache):
+        cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, engine.config.max_context,
+                                backend=engine.cache.backend)
+    else:
+        cache = state.new_cache("cpu")
+    chunk = chunk or len(prompt)
+    tokens = []
+    with torch.no_grad():
+        for start in range(0, len(prompt), chunk):
+            logits = model(torch.tensor([prompt[start:start + chunk]]), past_key_values=cache).logits
+        for _ in range(n):
+            tokens.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits
+    return tokens
+
+
+def test_batched_engine_equals_one_sequence_generate_across_page_flushes():
+    """Four requests of different lengths decoded together, with chunked prefill (chunk 40): every
+    one gets the tokens that `generate` gives it alone. Prompts reach the INT2 history and the
+    decode crosses page flushes."""
+    engine = _tiny_engine(prefill_chunk=40)
+    prompts = [_prompt(n, seed=n) for n in (5, 70, 131, 48)]
+    tokens = {}
+    for i, prompt in enumerate(prompts):
+        tokens[i] = []
+        engine.submit(prompt, SamplingParams(max_tokens=24), lambda e, i=i: tokens[i].append(e))
+    captured = {}
+    original = engine._accept
+    engine._accept = lambda seq, token: (captured.setdefault(seq.id, []).append(token), original(seq, token))
+    _drain(engine)
+    for i, prompt in enumerate(prompts):
+        assert tokens[i][-1].kind == "done" and tokens[i][-1].finish_reason == "length"
+        assert captured[i] == _reference_tokens(engine, prompt, 24, chunk=40), f"request {i}"
+    usage = engine.cache.usage()
+    assert usage.slots_used == 0 and usage.pages_used == 0 and usage.pages_promised == 0
+
+
+def test_dense_bf16_engine_equals_generate():
+    engine = _tiny_engine(method="bf16")
+    assert isinstance(engine.cache, DenseSlotCache)
+    prompts = [_prompt(n, seed=n) for n in (9, 33)]
+    captured = {}
+    original = engine._accept
+    engine._accept = lambda seq, token: (captured.setdefault(seq.id, []).append(token), original(seq, token))
+    for prompt in prompts:
+        engine.submit(prompt, SamplingParams(max_tokens=10), Collector())
+    _drain(engine)
+    for i, prompt in enumerate(prompts):
+        assert captured[i] == _reference_tokens(engine, prompt, 10)
+
+
+def test_engine_on_the_triton_kernels_equals_the_torch_references():
+    """The same two requests through the kernels (interpreter on a CPU) and through the references."""
+    runs = []
+    for backend in ("auto", "torch"):
+        engine = _tiny_engine(backend=backend, max_seqs=2, max_context=128)
+        out = {0: Collector(), 1: Collector()}
+        engine.submit(_prompt(70, 1), SamplingParams(max_tokens=4), out[0])  # one INT2 page
+        engine.submit(_prompt(10, 2), SamplingParams(max_tokens=4), out[1])
+        _drain(engine)
+        runs.append(["".join(e.text for e in out[i].events) for i in out])
+    assert runs[0] == runs[1]
+
+
+def test_requests_beyond_free_pages_wait_and_beyond_the_whole_cache_are_refused():
+    # Budget: the windows of 4 slots plus 6 pages.
+    engine = _tiny_engine(max_context=256)
+    engine.cache = PagedSlotCache(engine.model.oscar, 4, 6, 256, torch.device("cpu"), "torch")
+    need = engine.cache.units_for(150 + 10)  # (160 - 16 - 32) // 16 = 7 pages
+    assert need == 7
+    with pytest.raises(RequestRejected, match="whole cache has 6") as info:
+        engine.submit(_prompt(150), SamplingParams(max_tokens=10), Collector())
+    assert info.value.status == 400
+    a, b = Collector(), Collector()
+    engine.submit(_prompt(120, 1), SamplingParams(max_tokens=8), a)  # 5 pages
+    engine.submit(_prompt(120, 2), SamplingParams(max_tokens=8), b)  # 5 more: must wait for a
+    engine.step()
+    assert engine.load() == {"running": 1, "waiting": 1}
+    _drain(engine)
+    assert a.done and b.done and b.events[-1].kind == "done"
+    with pytest.raises(RequestRejected, match="context of 256"):
+        engine.submit(_prompt(250), SamplingParams(max_tokens=10), Collector())
+
+
+def test_full_queue_answers_503_and_cancelled_requests_free_their_slot():
+    engine = _tiny_engine(max_seqs=1, max_waiting=3)
+    first, second = Collector(), Collector()
+    seq = engine.submit(_prompt(30), SamplingParams(max_tokens=50), first)
+    engine.submit(_prompt(30, 1), SamplingParams(max_tokens=5), second)
+    engine.submit(_prompt(30, 2), SamplingParams(max_tokens=5), Collector())
+    with pytest.raises(RequestRejected) as info:
+        engine.submit(_prompt(30, 3), SamplingParams(max_tokens=5), Collector())
+    assert info.value.status == 503
+    for _ in range(3):
+        engine.step()
+    engine.cancel(seq)
+    _drain(engine)
+    assert not first.done  # a cancelled request gets no further events
+    assert second.done and engine.counters.cancelled == 1
+    assert engine.cache.usage().slots_used == 0 and engine.cache.usage().pages_used == 0
+
+
+def test_stop_strings_end_the_text_before_them():
+    engine = _tiny_engine()
+    free = Collector()
+    engine.submit(_prompt(12), SamplingParams(max_tokens=12), free)
+    _drain(engine)
+    text = "".join(e.text for e in free.events)
+    stop = text[3:5]
+    stopped = Collector()
+    engine.submit(_prompt(12), SamplingParams(max_tokens=12, stop=(stop,)), stopped)
+    _drain(engine)
+    assert stopped.events[-1].finish_reason == "stop"
+    assert "".join(e.text for e in stopped.events) == text[:text.find(stop)]
+
+
+def test_bad_engine_settings_name_the_fix():
+    with pytest.raises(OscarError, match="max_seqs"):
+        EngineConfig(max_seqs=0)
+    with pytest.raises(OscarError, match="cannot be served"):
+        _tiny_engine(method="kivi2")
+    with pytest.raises(OscarError, match="longer than the model's 512 positions"):
+        _tiny_engine(max_context=4096)
+
+
+# ---- the real model over HTTP ------------------------------------------------------------------
+
+pytest_model = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def served():
+    from oscarkv.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu")
+    engine = build_engine(model, tokenizer, "hadamard", config=EngineConfig(max_seqs=4, max_context=1024),
+                          backend="torch")
+    return engine
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from fastapi.testclient import TestClient
+
+    from oscarkv.serving.api import create_app
+
+    with TestClient(create_app(served, "smollm2")) as c:
+        yield c
+
+
+@pytest_model
+def test_openai_completion_chat_and_models(client, served):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "smollm2"
+    r = client.post("/v1/completions", json={"model": "smollm2", "prompt": "The capital of France is",
+                                             "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert "Paris" in body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 4
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say hi"}],
+                                                  "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest_model
+def test_streaming_chat_events_end_with_done_and_usage(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 6, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    import json
+
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(x) for x in lines[:-1]]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest_model
+@pytest.mark.parametrize("body, status, needle", [
+    (b'{"prompt": "x", ', 400, "not valid JSON"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "not served here"),
+    ({"prompt": "word " * 1100, "max_tokens": 4}, 400, "context of 1024"),
+    ({"prompt": [1, 2, 10 ** 9]}, 400, "token ids"),
+])
+def test_bad_requests_get_openai_errors(client, body, status, needle):
+    if isinstance(body, bytes):
+        r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+@pytest_model
+def test_metrics_report_pages_and_counters(client, served):
+    text = client.get("/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["oscarkv_kv_pages_total"] == served.cache.usage().pages_total > 0
+    assert values["oscarkv_kv_pages_used"] + values["oscarkv_kv_pages_free"] == values["oscarkv_kv_pages_total"]
+    assert values["oscarkv_requests_completed_total"] >= 1 and values["process_resident_memory_bytes"] > 0
+
+
+@pytest_model
+def test_short_load_test_over_loopback(served):
+    """Six streaming clients for 12 s over a real socket, with hang-ups and bad-request probes."""
+    import uvicorn
+
+    from oscarkv.assets import load_text
+    from oscarkv.serving.api import create_app
+    from oscarkv.serving.loadtest import LoadConfig, run_load
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(served, "smollm2"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            time.sleep(0.1)
+        config = LoadConfig(f"http://127.0.0.1:{port}", clients=6, duration=12, prompt_words=150, max_tokens=6,
+                            disconnect_every=2, probe_interval=1.0)
+        report = asyncio.run(run_load(config, load_text("news").split()))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert report.ok, report.failures
+    assert report.completed >= 6 and report.disconnected_on_purpose >= 1 and report.probes_sent >= 5
+    assert report.pages_used_after == 0 and report.slots_used_after == 0
