@@ -292,6 +292,17 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
+    import httpx
+
+    try:
+        httpx.get(args.url.rstrip("/") + "/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise OscarError(f"no healthy oscarkv server answers at {args.url} ({exc}); start one with "
+                         "`oscarkv serve MODEL` and pass its address with --url.")
+    return _bench_serve(args)
+
+
+def _bench_serve(args) -> int:
     import asyncio
 
     from tqdm import tqdm
@@ -299,6 +310,17 @@ def cmd_bench_serve(args) -> int:
     from .assets import load_text
     from .serving.loadtest import LoadConfig, format_report, run_load
 
+    if args.prompt_tokens:
+        from .serving.loadtest import measure_throughput
+
+        result = asyncio.run(measure_throughput(args.url.rstrip("/"), args.clients, args.prompt_tokens,
+                                                args.max_tokens, args.vocab))
+        print(json.dumps(result.to_dict(), indent=2) if args.json else
+              f"{result.clients} requests of {result.prompt_tokens} prompt tokens running together: "
+              f"{result.decode_tokens_per_s:.0f} generated tokens/s over {result.window_s:.1f} s "
+              f"({result.window_tokens} tokens); all prompts read after {result.all_started_s:.1f} s; "
+              f"KV in use {result.kv_bytes_used_peak / 2**30:.2f} GiB of {result.kv_bytes_total / 2**30:.2f} GiB")
+        return 0 if result.failed == 0 else 1
     config = LoadConfig(args.url.rstrip("/"), args.clients, args.duration, args.prompt_words, args.max_tokens,
                         args.disconnect_every, args.probe_interval)
     words = load_text(args.text).split()
@@ -394,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--disconnect-every", type=int, default=5, help="every Nth request of a client hangs up (0: none)")
     b.add_argument("--probe-interval", type=float, default=2.0, help="seconds between bad-request probes")
     b.add_argument("--text", default="news", help="prose for the prompts: a built-in text or a file")
+    b.add_argument("--prompt-tokens", type=int, default=0,
+                   help="throughput mode: --clients requests of this many random token ids sent at once; "
+                        "prints the decode tokens/s while all of them run")
+    b.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (throughput mode)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_serve)
 

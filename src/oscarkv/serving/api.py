@@ -40,6 +40,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream_options: dict | None = None
+    ignore_eos: bool = Field(False, description="vLLM's extension: generate max_tokens tokens regardless of EOS")
 
 
 class CompletionBody(_Body):
@@ -133,7 +134,8 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         if not engine.alive:
             return _error(503, "the engine is not running; see /health.", "engine_down")
         stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
-        params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s))
+        params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
+                                body.ignore_eos)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 

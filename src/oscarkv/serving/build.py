@@ -37,7 +37,7 @@ def build_engine(model, tokenizer, method: str = "oscar", rotations=None, config
     device = next(model.parameters()).device
     if method == "bf16":
         slot_cache = DenseSlotCache(len(state.specs), config.max_seqs, config.max_context, state.cache.window_dtype,
-                                    state.kv_heads, state.head_dim)
+                                    state.kv_heads, state.head_dim, device)
         if kv_memory_bytes is not None and slot_cache.usage().bytes_total > kv_memory_bytes:
             fit = kv_memory_bytes // (config.max_context * slot_cache.bytes_per_token)
             raise OscarError(f"the BF16 cache of {config.max_seqs} slots x {config.max_context} tokens needs "

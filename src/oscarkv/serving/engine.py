@@ -46,13 +46,15 @@ class RequestRejected(OscarError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens: tokens to generate at most; temperature 0 is greedy; top_p in (0, 1]."""
+    """max_tokens: tokens to generate at most; temperature 0 is greedy; top_p in (0, 1];
+    ignore_eos: run to max_tokens (for benchmarks)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -299,7 +301,7 @@ class Engine:
         if seq.cancelled:
             return
         self.counters.generated_tokens += 1
-        if token in self.eos_ids:
+        if token in self.eos_ids and not seq.params.ignore_eos:
             self._finish(seq, "stop", final_text=self._text(seq))
             return
         seq.generated.append(token)

@@ -228,3 +228,79 @@ def format_report(r: LoadReport) -> str:
         "PASS" if r.ok else "FAIL: " + "; ".join(r.failures[:5] or ["the server did not drain"]),
     ]
     return "\n".join(lines)
+
+
+@dataclass
+class ThroughputReport:
+    """Decode throughput with `clients` requests running at once (all prompts read, none finished)."""
+
+    clients: int
+    prompt_tokens: int
+    max_tokens: int
+    all_started_s: float = 0.0
+    window_s: float = 0.0
+    window_tokens: int = 0
+    decode_tokens_per_s: float = 0.0
+    completed: int = 0
+    failed: int = 0
+    kv_bytes_total: int = 0
+    kv_bytes_used_peak: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+async def measure_throughput(url: str, clients: int, prompt_tokens: int, max_tokens: int, vocab: int,
+                             seed: int = 0) -> ThroughputReport:
+    """Send `clients` streaming requests of `prompt_tokens` random token ids at once; once every one
+    has its first token, count the server's generated tokens (/metrics) over a window that ends
+    before any request can finish. Prompts are token ids, so lengths are exact."""
+    report = ThroughputReport(clients, prompt_tokens, max_tokens)
+    rng = random.Random(seed)
+    started = asyncio.Event()
+    first_seen = 0
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0, connect=10.0)) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+
+        async def one(index: int) -> None:
+            nonlocal first_seen
+            body = {"model": model, "prompt": [rng.randrange(vocab) for _ in range(prompt_tokens)],
+                    "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+            counted = False
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    report.failed += 1
+                    return
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and not counted:
+                        counted = True
+                        first_seen += 1
+                        if first_seen == clients:
+                            started.set()
+                    if line == "data: [DONE]":
+                        report.completed += 1
+
+        async def window() -> None:
+            await started.wait()
+            report.all_started_s = time.perf_counter() - t0
+            first = last = await _metrics(client)
+            t1 = t_last = time.perf_counter()
+            while True:  # sample until a request finishes; the window ends at the sample before it
+                await asyncio.sleep(0.5)
+                now = await _metrics(client)
+                if now["oscarkv_requests_completed_total"] != first["oscarkv_requests_completed_total"]:
+                    break
+                last, t_last = now, time.perf_counter()
+            report.window_s = t_last - t1
+            report.window_tokens = int(last["oscarkv_generation_tokens_total"] - first["oscarkv_generation_tokens_total"])
+            if report.window_s <= 0:
+                report.failed += 1  # a request finished before all had started: raise max_tokens
+                return
+            report.decode_tokens_per_s = report.window_tokens / report.window_s
+            report.kv_bytes_total = int(last["oscarkv_kv_bytes_total"])
+            report.kv_bytes_used_peak = int(last["oscarkv_kv_bytes_used"])
+
+        await asyncio.gather(window(), *(one(i) for i in range(clients)))
+    return report

@@ -167,9 +167,12 @@ class DenseSlotLayer(AttendingLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
-        for row, (slot, start) in enumerate(zip(self.owner.batch_slots, self.owner.batch_starts)):
-            self.keys_store[slot, :, start:start + n] = key_states[row].to(self.owner.dtype)
-            self.values_store[slot, :, start:start + n] = value_states[row].to(self.owner.dtype)
+        o = self.owner
+        positions = o.starts_on_device[:, None] + torch.arange(n, device=key_states.device)[None]  # [B, n]
+        rows = o.slots_on_device[:, None]
+        # One scatter per tensor: [B, n] index pairs select [B, n, Hkv, D] slices.
+        self.keys_store[rows, :, positions] = key_states.transpose(1, 2).to(o.dtype)
+        self.values_store[rows, :, positions] = value_states.transpose(1, 2).to(o.dtype)
         self.length += n
         return self, self
 
@@ -177,22 +180,28 @@ class DenseSlotLayer(AttendingLayer):
         """query: [B, Hq, n, D] -> [B, n, Hq, D]: SDPA over each row's stored positions (causal)."""
         o = self.owner
         b, hq, n, d = query.shape
-        starts = torch.tensor(o.batch_starts, device=query.device)
-        end = max(o.batch_starts) + n
+        starts = o.starts_on_device
+        # Keys up to a multiple of 256 (masked beyond each row's length): the attention backend
+        # then sees a new shape only every 256 steps instead of at every step.
+        end = min(o.max_context, -(-(max(o.batch_starts) + n) // 256) * 256)
         lo, hi = min(o.batch_slots), max(o.batch_slots) + 1
         if hi - lo == b and o.batch_slots == list(range(lo, hi)):
             keys, values = self.keys_store[lo:hi, :, :end], self.values_store[lo:hi, :, :end]  # views, no copy
         else:
-            index = torch.tensor(o.batch_slots, device=query.device)
-            keys, values = self.keys_store[index, :, :end], self.values_store[index, :, :end]
+            keys, values = self.keys_store[o.slots_on_device, :, :end], self.values_store[o.slots_on_device, :, :end]
         query_pos = starts[:, None] + torch.arange(n, device=query.device)[None]  # [B, n]
         key_pos = torch.arange(end, device=query.device)
-        visible = key_pos[None, None, :] <= query_pos[:, :, None]
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, n, end]
         if sliding_window:
             visible &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
-        out = F.scaled_dot_product_attention(query.to(o.dtype), keys, values, attn_mask=visible[:, None],
-                                             scale=scaling, enable_gqa=hq != keys.shape[1])
-        return out.transpose(1, 2).to(query.dtype)
+        # The G query heads of a KV head become G·n query rows of one head: plain multi-head SDPA,
+        # which reads each KV head once (its GQA mode would copy K and V G times when a mask is given).
+        hkv = keys.shape[1]
+        g = hq // hkv
+        q = query.to(o.dtype).reshape(b, hkv, g * n, d)
+        mask = visible[:, None].expand(b, g, n, end).reshape(b, 1, g * n, end)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        return out.reshape(b, hq, n, d).transpose(1, 2).to(query.dtype)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -202,8 +211,9 @@ class DenseSlotCache(DynamicCache):
     """The BF16 baseline for the serving engine (see the module docstring)."""
 
     def __init__(self, num_layers: int, max_slots: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
-                 kv_heads: int = 1, head_dim: int = 1) -> None:
+                 kv_heads: int = 1, head_dim: int = 1, device: torch.device | str = "cpu") -> None:
         self.max_slots, self.max_context, self.dtype = max_slots, max_context, dtype
+        self.device = torch.device(device)
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
         self.book = _SlotBook(max_slots)
         self.lengths = [0] * max_slots
@@ -240,6 +250,8 @@ class DenseSlotCache(DynamicCache):
     def set_batch(self, slots: list[int]) -> None:
         self.batch_slots = list(slots)
         self.batch_starts = [self.lengths[s] for s in slots]
+        self.slots_on_device = torch.tensor(self.batch_slots, device=self.device)
+        self.starts_on_device = torch.tensor(self.batch_starts, device=self.device)
         longest = max(self.batch_starts, default=0)
         for layer in self.layers:
             layer.length = longest
