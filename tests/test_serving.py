@@ -165,6 +165,20 @@ def test_full_queue_answers_503_and_cancelled_requests_free_their_slot():
     assert engine.cache.usage().slots_used == 0 and engine.cache.usage().pages_used == 0
 
 
+def test_warm_up_leaves_the_cache_empty_and_results_unchanged():
+    engine = _tiny_engine(max_seqs=3, prefill_chunk=40)
+    assert engine.warm_up()
+    usage = engine.cache.usage()
+    assert usage.slots_used == 0 and usage.pages_used == 0 and usage.pages_promised == 0
+    captured = {}
+    original = engine._accept
+    engine._accept = lambda seq, token: (captured.setdefault(seq.id, []).append(token), original(seq, token))
+    prompt = _prompt(90, 5)
+    engine.submit(prompt, SamplingParams(max_tokens=8), Collector())
+    _drain(engine)
+    assert captured[0] == _reference_tokens(engine, prompt, 8, chunk=40)
+
+
 def test_stop_strings_end_the_text_before_them():
     engine = _tiny_engine()
     free = Collector()

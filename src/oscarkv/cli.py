@@ -281,6 +281,12 @@ def cmd_serve(args) -> int:
         max_waiting=args.max_waiting)
     budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
     engine = build_engine(model, tokenizer, args.method, args.rotations, config, budget)
+    if model.device.type == "cuda" and not args.no_warm_up:
+        started = time.time()
+        warmed = engine.warm_up()
+        print(f"oscarkv serve: kernels warmed up for batch sizes 1..{config.max_seqs} in {time.time() - started:.0f} s"
+              if warmed else "oscarkv serve: no warm-up (the cache cannot hold its throw-away sequences)",
+              file=sys.stderr)
     usage = engine.cache.usage()
     pages = f", {usage.pages_total} INT2 pages" if usage.pages_total else ""
     print(f"oscarkv serve: {args.model} ({args.method} cache on {model.device}{pages}, "
@@ -439,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before HTTP 503")
     p.add_argument("--device", default=None)
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="on CUDA, skip running every batch size once before serving (kernels then compile "
+                        "during the first requests)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 

@@ -202,6 +202,28 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.crashed is None
 
+    @torch.inference_mode()
+    def warm_up(self) -> bool:
+        """Before serving: one prefill chunk and one decode step at every batch size, on throw-away
+        slots, so that the kernels compile now rather than stalling the first requests (Triton
+        compiles one variant per split count, and the split count changes with the batch).
+        Returns False, doing nothing, if the cache cannot hold the throw-away sequences."""
+        m = self.config.max_seqs
+        need = [self.config.prefill_chunk + m] + [m] * (m - 1)
+        pages = sum(self.cache.units_for(t) for t in need)
+        if self._running or self._waiting or need[0] > self.config.max_context or (
+                self.cache.capacity_units() and pages > self.cache.capacity_units()):
+            return False
+        slots = [self.cache.open(t) for t in need]
+        try:
+            self._forward_slots(slots[:1], [[0] * self.config.prefill_chunk])
+            for b in range(1, m + 1):
+                self._forward_slots(slots[:b], [[0]] * b)
+        finally:
+            for slot in slots:
+                self.cache.close(slot)
+        return True
+
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -260,12 +282,15 @@ class Engine:
 
     def _forward(self, seqs: list[Sequence], ids: list[list[int]]) -> torch.Tensor:
         """Append `ids` (one equal-length row per sequence) to their slots; last-position logits [B, V]."""
+        return self._forward_slots([s.slot for s in seqs], ids)
+
+    def _forward_slots(self, slots: list[int], ids: list[list[int]]) -> torch.Tensor:
         n = len(ids[0])
-        starts = [self.cache.length(s.slot) for s in seqs]
+        starts = [self.cache.length(slot) for slot in slots]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None] + torch.arange(
             n, device=self.device)[None]
-        self.cache.set_batch([s.slot for s in seqs])
+        self.cache.set_batch(slots)
         out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
                          logits_to_keep=1)
         self.cache.advance(n)
