@@ -16,6 +16,8 @@ the method asks for in full precision.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -37,9 +39,9 @@ class AttendingLayer(DynamicLayer):
     """A cache layer that computes attention itself: the "oscar" attention function hands it the
     queries (`attend`) instead of reading keys and values out of it."""
 
+    @abstractmethod
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
-        raise NotImplementedError
 
 
 class PagedOscarLayer(AttendingLayer):
@@ -134,17 +136,21 @@ class PagedOscarCache(DynamicCache):
     def begin_step(self, layer_index: int, batch: int, new_tokens: int, device: torch.device) -> StepBatch:
         """The step of the current forward: made by layer 0, reused by the others."""
         if layer_index == 0:
-            if self.storage is None:
-                pages = batch * max(1, self.layouts[0].pages_needed(self.max_context))
-                self.storage = PagedKVCache(self.layouts, pages, batch, self.max_context, device,
-                                            self.cache_config.window_dtype)
-                self.slots = [self.storage.open_slot() for _ in range(batch)]
-            if batch != len(self.slots):
-                raise OscarError(f"this cache holds {len(self.slots)} sequences but the step has {batch}.")
-            self._step = self.storage.step(self.slots, [new_tokens] * batch)
+            self._step = self.reserve_step(batch, new_tokens, device)
         if self._step is None:
             raise OscarError("layer 0 must run before the others in a step.")
         return self._step
+
+    def reserve_step(self, batch: int, new_tokens: int, device: torch.device) -> StepBatch:
+        """Pages and metadata for a step of `batch` rows (one slot per row, opened at the first step)."""
+        if self.storage is None:
+            pages = batch * max(1, self.layouts[0].pages_needed(self.max_context))
+            self.storage = PagedKVCache(self.layouts, pages, batch, self.max_context, device,
+                                        self.cache_config.window_dtype)
+            self.slots = [self.storage.open_slot() for _ in range(batch)]
+        if batch != len(self.slots):
+            raise OscarError(f"this cache holds {len(self.slots)} sequences but the step has {batch}.")
+        return self.storage.step(self.slots, [new_tokens] * batch)
 
     def nbytes(self) -> int:
         """Bytes of the pages in use and the windows of the open sequences, over all layers."""

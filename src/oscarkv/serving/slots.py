@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache.paged import PagedKVCache
 from ..errors import OscarError
-from ..integrations.paged import AttendingLayer, PagedOscarCache
+from ..integrations.paged import AttendingLayer, PagedOscarCache, paged_layouts
 from ..integrations.transformers import OscarState
 
 
@@ -45,14 +45,20 @@ class CacheUsage:
 
 
 class _SlotBook:
-    """Which slots are open and what each was promised; shared by both caches."""
+    """Which slots are open and how many pages each was promised; shared by both caches."""
 
     def __init__(self, max_slots: int) -> None:
-        self.free = list(range(max_slots - 1, -1, -1))  # lowest slot first: full batches are 0..B-1
+        self.max_slots = max_slots
         self.promised: dict[int, int] = {}
 
-    def take(self, units: int) -> int:
-        slot = self.free.pop()
+    @property
+    def has_free(self) -> bool:
+        return len(self.promised) < self.max_slots
+
+    def lowest_free(self) -> int:
+        return min(set(range(self.max_slots)) - self.promised.keys())
+
+    def take(self, slot: int, units: int) -> int:
         self.promised[slot] = units
         return slot
 
@@ -60,8 +66,6 @@ class _SlotBook:
         if slot not in self.promised:
             raise SlotError(f"slot {slot} is not open.")
         del self.promised[slot]
-        self.free.append(slot)
-        self.free.sort(reverse=True)
 
     @property
     def promised_total(self) -> int:
@@ -82,14 +86,13 @@ class PagedSlotCache(PagedOscarCache):
     @staticmethod
     def pages_for_budget(state: OscarState, max_slots: int, max_context: int, budget_bytes: int | None) -> int:
         """Pages that fit in `budget_bytes` after the slots' windows; all slots at full length if None."""
-        probe = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, max_context)
-        lay = probe.layouts[0]
+        layouts = paged_layouts(state.specs, state.cache, state.kv_heads, state.head_dim)
         if budget_bytes is None:
-            return max(1, max_slots * lay.pages_needed(max_context))
-        per_page = sum(x.kv_heads * x.page_size * x.history_bytes_per_token() for x in probe.layouts)
-        window_bytes = 2 if state.cache.window_dtype in (torch.bfloat16, torch.float16) else 4
+            return max(1, max_slots * layouts[0].pages_needed(max_context))
+        per_page = sum(x.kv_heads * x.page_size * x.history_bytes_per_token() for x in layouts)
+        window_bytes = state.cache.window_dtype.itemsize
         windows = sum(2 * x.kv_heads * (x.sink_tokens + x.ring_capacity) * x.head_dim * window_bytes
-                      for x in probe.layouts) * max_slots
+                      for x in layouts) * max_slots
         pages = (budget_bytes - windows) // per_page
         if pages < 1:
             raise SlotError(f"a KV budget of {budget_bytes / 2**20:.0f} MiB does not cover the BF16 windows of "
@@ -103,15 +106,12 @@ class PagedSlotCache(PagedOscarCache):
         return self.storage.allocator.num_pages
 
     def can_open(self, tokens: int) -> bool:
-        return bool(self.book.free) and self.book.promised_total + self.units_for(tokens) <= self.capacity_units()
+        return self.book.has_free and self.book.promised_total + self.units_for(tokens) <= self.capacity_units()
 
     def open(self, tokens: int) -> int:
         if not self.can_open(tokens):
             raise SlotError(f"no room for a {tokens}-token sequence now.")
-        slot = self.storage.open_slot()
-        if slot != self.book.take(self.units_for(tokens)):
-            raise SlotError("slot bookkeeping diverged from the page cache.")
-        return slot
+        return self.book.take(self.storage.open_slot(), self.units_for(tokens))
 
     def close(self, slot: int) -> None:
         self.book.give_back(slot)
@@ -127,14 +127,11 @@ class PagedSlotCache(PagedOscarCache):
         for layer in self.layers:
             layer.length = longest  # what transformers sizes its (unused) mask by
 
-    def begin_step(self, layer_index: int, batch: int, new_tokens: int, device: torch.device):
-        if layer_index == 0:
-            if batch != len(self.batch_slots):
-                raise OscarError(f"set_batch named {len(self.batch_slots)} slots but the forward has {batch} rows.")
-            self._step = self.storage.step(self.batch_slots, [new_tokens] * batch)
-        if self._step is None:
-            raise OscarError("layer 0 must run before the others in a step.")
-        return self._step
+    def reserve_step(self, batch: int, new_tokens: int, device: torch.device):
+        """The rows of a forward are the slots `set_batch` named, in its order."""
+        if batch != len(self.batch_slots):
+            raise OscarError(f"set_batch named {len(self.batch_slots)} slots but the forward has {batch} rows.")
+        return self.storage.step(self.batch_slots, [new_tokens] * batch)
 
     def advance(self, new_tokens: int) -> None:
         """Nothing to do: the paged cache advances its lengths when layer 0 reserves the step."""
@@ -231,12 +228,12 @@ class DenseSlotCache(DynamicCache):
         return 0
 
     def can_open(self, tokens: int) -> bool:
-        return bool(self.book.free) and tokens <= self.max_context
+        return self.book.has_free and tokens <= self.max_context
 
     def open(self, tokens: int) -> int:
         if not self.can_open(tokens):
             raise SlotError(f"no room for a {tokens}-token sequence now.")
-        slot = self.book.take(0)
+        slot = self.book.take(self.book.lowest_free(), 0)
         self.lengths[slot] = 0
         return slot
 
