@@ -55,7 +55,7 @@ def main():
             torch.cuda.synchronize()
             t = time.perf_counter()
             with torch.inference_mode():
-                engine._forward(seqs, [[s.generated[-1]] for s in seqs])
+                engine._forward([s.slot for s in seqs], [[s.generated[-1]] for s in seqs])
             torch.cuda.synchronize()
             forward.append(time.perf_counter() - t)
             for s in seqs:

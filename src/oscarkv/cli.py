@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = eval_sub.add_parser("ppl", help="perplexity per method on the same text and positions")
     e.add_argument("model")
     e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
-    from .methods import DESCRIPTIONS
+    from .methods import DESCRIPTIONS, SERVE_METHODS
 
     e.add_argument("--methods", default="bf16,oscar,oscar-paper,naive,hadamard",
                    help="comma-separated: " + "; ".join(f"{name}: {text}" for name, text in DESCRIPTIONS.items()))
@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching over the INT2 cache")
     p.add_argument("model", help="built-in alias, HF directory or .gguf file")
     p.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for oscar)")
-    p.add_argument("--method", default="oscar", choices=["oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16"],
+    p.add_argument("--method", default="oscar", choices=SERVE_METHODS,
                    help="KV cache: oscar (default; paged INT2), another INT method, or bf16 (the baseline)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

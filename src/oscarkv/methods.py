@@ -17,6 +17,8 @@ from .errors import OscarError
 from .models import attention_shape, model_identity
 
 METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "kivi2", "int4", "fp8")
+# What `oscarkv serve` runs: the token-grouped INT methods on the paged cache, bf16 on the dense one.
+SERVE_METHODS = ("oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16")
 DESCRIPTIONS = {
     "bf16": "BF16 cache everywhere (the reference)",
     "oscar": "the artifact as calibrated: centering, per-layer transform and clip, INT4 fallback layers",

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
+from ..methods import SERVE_METHODS
 from .engine import Engine, EngineConfig
 from .slots import DenseSlotCache, PagedSlotCache
 
-SERVE_METHODS = ("oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16")
 
 
 def build_engine(model, tokenizer, method: str = "oscar", rotations=None, config: EngineConfig | None = None,

@@ -216,9 +216,9 @@ class Engine:
             return False
         slots = [self.cache.open(t) for t in need]
         try:
-            self._forward_slots(slots[:1], [[0] * self.config.prefill_chunk])
+            self._forward(slots[:1], [[0] * self.config.prefill_chunk])
             for b in range(1, m + 1):
-                self._forward_slots(slots[:b], [[0]] * b)
+                self._forward(slots[:b], [[0]] * b)
         finally:
             for slot in slots:
                 self.cache.close(slot)
@@ -280,11 +280,8 @@ class Engine:
             for seq in seqs:
                 self._fail(seq, f"generation failed: {exc}")
 
-    def _forward(self, seqs: list[Sequence], ids: list[list[int]]) -> torch.Tensor:
-        """Append `ids` (one equal-length row per sequence) to their slots; last-position logits [B, V]."""
-        return self._forward_slots([s.slot for s in seqs], ids)
-
-    def _forward_slots(self, slots: list[int], ids: list[list[int]]) -> torch.Tensor:
+    def _forward(self, slots: list[int], ids: list[list[int]]) -> torch.Tensor:
+        """Append `ids` (one equal-length row per slot) to `slots`; last-position logits [B, V]."""
         n = len(ids[0])
         starts = [self.cache.length(slot) for slot in slots]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -299,14 +296,14 @@ class Engine:
     def _prefill_chunk(self, seqs: list[Sequence]) -> None:
         seq = seqs[0]
         chunk = seq.prompt_ids[seq.prefilled:seq.prefilled + self.config.prefill_chunk]
-        logits = self._forward([seq], [chunk])
+        logits = self._forward([seq.slot], [chunk])
         seq.prefilled += len(chunk)
         self.counters.prompt_tokens += len(chunk)
         if not seq.reading_prompt:
             self._accept(seq, self._sample(seq, logits[0]))
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        logits = self._forward(seqs, [[s.generated[-1]] for s in seqs])
+        logits = self._forward([s.slot for s in seqs], [[s.generated[-1]] for s in seqs])
         for seq, row in zip(seqs, logits):
             self._accept(seq, self._sample(seq, row))
 
