@@ -189,4 +189,34 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "6 kernel configurations compiled for sm_90" in done.stdout
+    assert "7 kernel configurations compiled for sm_90" in done.stdout
+
+
+@pytest.mark.parametrize("head_dim,query_heads,kv_heads", [(64, 9, 3), (128, 8, 8), (128, 32, 8), (64, 16, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_decode_kernel_matches_reference(head_dim, query_heads, kv_heads, dtype):
+    """The BF16 baseline's decode kernel: lengths 1, a block edge (64, 65), long; slots out of order."""
+    from oscarkv.kernels.ops import attend_dense
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([1, 64, 65, 700], dtype=torch.int32)
+    keys = torch.randn(5, kv_heads, 704, head_dim, generator=g).to(dtype).to(DEVICE)
+    values = torch.randn(keys.shape, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(4, query_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device=DEVICE)
+    for window in (0, 50):
+        out = attend_dense(q, keys, values, slots, lengths.to(DEVICE), head_dim ** -0.5, window, backend="triton")
+        ref = attend_dense(q, keys, values, slots, lengths.to(DEVICE), head_dim ** -0.5, window, backend="torch")
+        assert out.dtype == dtype
+        assert (out.float() - ref.float()).abs().max() <= OUTPUT_TOLERANCE
+
+
+def test_dense_decode_kernel_refuses_bad_shapes():
+    from oscarkv.kernels.ops import attend_dense
+
+    keys = torch.zeros(2, 2, 64, 64)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(OscarError, match="multiple"):
+        attend_dense(torch.zeros(1, 3, 64), keys, keys, one, one + 1, 1.0)
+    with pytest.raises(OscarError, match="contiguous"):
+        attend_dense(torch.zeros(1, 2, 64), keys.transpose(2, 3), keys.transpose(2, 3), one, one + 1, 1.0)

@@ -20,7 +20,7 @@ from oscarkv.integrations.paged import PagedOscarCache
 from oscarkv.random_models import TokenIdTokenizer
 from oscarkv.serving.build import build_engine
 from oscarkv.serving.engine import EngineConfig, Event, RequestRejected, SamplingParams
-from oscarkv.serving.slots import DenseSlotCache, PagedSlotCache
+from oscarkv.integrations.slots import DenseSlotCache, PagedSlotCache
 from tiny_models import VOCAB, tiny_model
 
 SMALL = CacheConfig(sink_tokens=16, recent_tokens=32, page_size=16)

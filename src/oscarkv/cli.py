@@ -264,6 +264,29 @@ def cmd_bench_attention(args) -> int:
     return 0
 
 
+def cmd_bench_decode(args) -> int:
+    from .report import decode_tables, plot_decode
+
+    if args.from_json:
+        results = [json.loads(Path(f).read_text()) for f in args.from_json]
+    else:
+        from tqdm import tqdm
+
+        from .benchmarks.decode import Settings, run
+
+        settings = Settings(args.model, tuple(_ints(args.contexts)), args.batch, tuple(_ints(args.batch_contexts)),
+                            not args.no_largest, args.prefill, steps=args.steps)
+        with tqdm(desc="bench decode", bar_format="{desc}: {elapsed} {postfix}", disable=args.json) as bar:
+            results = [run(settings, progress=lambda message: bar.set_postfix_str(message))]
+        if args.save:
+            Path(args.save).write_text(json.dumps(results[0], indent=2))
+    if args.plot:
+        print(f"plot: {plot_decode(results, args.plot)}", file=sys.stderr)
+    print(json.dumps(results if len(results) > 1 else results[0], indent=2) if args.json else
+          "\n\n".join(decode_tables(r) for r in results))
+    return 0
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -428,6 +451,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (throughput mode)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_serve)
+
+    b = bench_sub.add_parser("decode", help="whole-model decode, BF16 vs INT2 cache, same static path (CUDA GPU)")
+    b.add_argument("--model", default="random:qwen3-4b",
+                   help="random:qwen3-4b (default), random:qwen3-8b, random:smollm2-135m or any loadable model")
+    b.add_argument("--contexts", default="30000,60000,100000", help="batch-1 context lengths (default %(default)s)")
+    b.add_argument("--batch", type=int, default=32, help="INT2 batch of the equal-memory comparison")
+    b.add_argument("--batch-contexts", default="8192,32768", help="contexts of the batch runs (default %(default)s)")
+    b.add_argument("--no-largest", action="store_true", help="skip the runs at the largest batch that fits")
+    b.add_argument("--prefill", type=int, default=32768, help="prompt tokens of the prefill timing (0: skip)")
+    b.add_argument("--steps", type=int, default=128, help="decode steps timed per run")
+    b.add_argument("--save", default=None, help="write the results to this JSON file")
+    b.add_argument("--plot", default=None, help="write the tokens/s vs context plot to this PNG")
+    b.add_argument("--from-json", nargs="+", default=None,
+                   help="print tables (and --plot) from saved results instead of measuring")
+    b.add_argument("--json", action="store_true", help="print the results as JSON")
+    b.set_defaults(func=cmd_bench_decode)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching over the INT2 cache")
     p.add_argument("model", help="built-in alias, HF directory or .gguf file")

@@ -80,6 +80,9 @@ class CacheConfig:
         tokens move to the history a whole group at a time, so the recent window holds
         `recent_tokens` to `recent_tokens + group_size - 1` tokens; reference cache only,
         no left padding.
+    static_decode: on CUDA, a patched model's `generate` runs plain greedy decoding of an unpadded
+        batch through the static decode path (one CUDA graph per step; see
+        `oscarkv.integrations.static_decode`); False keeps transformers' own loop.
     """
 
     sink_tokens: int = 64
@@ -91,6 +94,7 @@ class CacheConfig:
     page_size: int = 64
     max_context: int | None = None
     key_grouping: str = "token"
+    static_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.key_grouping not in KEY_GROUPINGS:

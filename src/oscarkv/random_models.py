@@ -1,10 +1,10 @@
 """Random-weight models of real architectures, for speed measurements (nothing downloaded).
 
-Decode speed does not depend on weight values, only on shapes, so `random:qwen3-4b` and
-`random:qwen3-8b` build those architectures from their published configs with random
-weights. Their outputs are meaningless; use them for `bench` and for serving throughput,
-never for accuracy. max_position_embeddings is raised to 131072 (the length Qwen3 reaches
-with YaRN) so that 100K-token contexts can be timed.
+Decode speed does not depend on weight values, only on shapes, so `random:qwen3-4b`,
+`random:qwen3-8b` and `random:smollm2-135m` build those architectures from their published
+configs with random weights. Their outputs are meaningless; use them for `bench` and for serving throughput,
+never for accuracy. For Qwen3, max_position_embeddings is raised to 131072 (the length Qwen3
+reaches with YaRN) so that 100K-token contexts can be timed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ CONFIGS = {
     "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      tie_word_embeddings=False),
+    # The embedded model's shapes (its real 8192-position limit kept), for GPU runs without its weights.
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
 }
 
 

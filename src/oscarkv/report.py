@@ -73,3 +73,60 @@ def plot_niah(rows: list[dict], path: str | Path, title: str) -> Path:
     axes[1].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
+
+
+def decode_tables(result: dict) -> str:
+    """The `bench decode` results of one model as plain-text tables, BF16 and INT2 side by side."""
+    def rows(entries: list[dict]) -> list[dict]:
+        out = []
+        for e in entries:
+            bf16, int2 = e.get("bf16"), e.get("int2")
+            row = {"context": e["context"], "ratio": e.get("throughput_ratio")}
+            for name, run in (("bf16", bf16), ("int2", int2)):
+                run = run or {}
+                row.update({f"{name}_batch": run.get("batch"), f"{name}_ms": run.get("step_ms"),
+                            f"{name}_tps": run.get("tokens_per_s"), f"{name}_roof": run.get("roofline_ms"),
+                            f"{name}_frac": None if not run else 100 * run["roofline_fraction"]})
+            out.append(row)
+        return out
+
+    columns = [("context", "context", "d")]
+    for name, label in (("bf16", "BF16"), ("int2", "INT2")):
+        columns += [(f"{name}_batch", f"{label} batch", "d"), (f"{name}_ms", f"{label} ms/step", ".2f"),
+                    (f"{name}_tps", f"{label} tok/s", ".0f"), (f"{name}_roof", f"{label} roofline ms", ".2f"),
+                    (f"{name}_frac", f"{label} % of roofline", ".0f")]
+    columns.append(("ratio", "INT2/BF16 tok/s", ".2f"))
+    parts = [f"{result['model']} on {result['device']}: copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s, "
+             f"weights read per step {result['weight_bytes'] / 1e9:.2f} GB"]
+    for key, title in (("single", "batch 1"), ("equal_memory", "equal KV memory (the INT2 cache of the INT2 batch)"),
+                       ("largest", "the largest batch that fits")):
+        if result.get(key):
+            parts += ["", title, format_table(rows(result[key]), columns)]
+    if result.get("prefill"):
+        p = result["prefill"]
+        parts += ["", f"prefill of {p['bf16']['tokens']} tokens: BF16 {p['bf16']['ms']:.0f} ms, INT2 "
+                      f"{p['int2']['ms']:.0f} ms ({p['ratio']:.2f}x the BF16 time)"]
+    if result.get("bits"):
+        b = result["bits"]
+        parts.append(f"INT2 cache of one {b['context']}-token sequence: {b['allocated_bytes'] / 2**20:.1f} MiB "
+                     f"allocated = {b['bits_per_element']:.3f} bits per K/V element (group {b['group_size']})")
+    parts += [f"skipped: {s}" for s in result.get("skipped", [])]
+    return "\n".join(parts)
+
+
+def plot_decode(results: list[dict], path: str | Path) -> Path:
+    """Batch-1 decode tokens/s vs context, BF16 and INT2, one panel per model."""
+    fig, axes = _pyplot().subplots(1, len(results), figsize=(4.5 * len(results), 3.5), squeeze=False)
+    for ax, result in zip(axes[0], results):
+        for name, label, color in (("bf16", "BF16 cache", "#888"), ("int2", "INT2 cache (oscarkv)", "#3a7")):
+            points = [(e["context"], e[name]["tokens_per_s"]) for e in result["single"] if e.get(name)]
+            ax.plot([p[0] / 1000 for p in points], [p[1] for p in points], marker="o", label=label, color=color)
+            roof = [(e["context"], 1e3 / e[name]["roofline_ms"]) for e in result["single"] if e.get(name)]
+            ax.plot([p[0] / 1000 for p in roof], [p[1] for p in roof], ls=":", color=color,
+                    label=f"{label.split(' (')[0]} byte roofline")
+        ax.set_xlabel("context (K tokens)")
+        ax.set_ylabel("decode tokens/s (batch 1)")
+        ax.set_title(f"{result['model']}, {result['device']}", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -170,7 +170,8 @@ class StepBatch:
 
     slots: int32 [B] cache slot of each sequence; cu_new: int32 [B+1] offsets of each
     sequence's new tokens in the flattened [T, H, D] inputs; lengths: int32 [B] tokens
-    already stored before this step; max_new: host int, the largest count of new tokens.
+    already stored before this step; max_new: host int, the largest count of new tokens;
+    fresh: host bool, every sequence of the step starts empty (no history to read).
     """
 
     slots: torch.Tensor
@@ -178,6 +179,7 @@ class StepBatch:
     lengths: torch.Tensor
     max_new: int
     block_table: torch.Tensor  # int32 [max_slots, max_pages_per_slot]
+    fresh: bool = False
 
     @property
     def batch(self) -> int:
@@ -245,15 +247,24 @@ class PagedKVCache:
         """
         for slot, n in zip(slots, new_tokens):
             self.reserve(slot, self.lengths[slot] + n)
+        batch = self.metadata(slots, new_tokens)
+        self.advance(slots, new_tokens)
+        return batch
+
+    def metadata(self, slots: list[int], new_tokens: list[int]) -> StepBatch:
+        """The StepBatch of a step at the current lengths (nothing reserved, nothing advanced)."""
         cu = [0]
         for n in new_tokens:
             cu.append(cu[-1] + n)
         lengths = [self.lengths[s] for s in slots]
-        for slot, n in zip(slots, new_tokens):
-            self.lengths[slot] += n
         as_device = lambda xs: torch.tensor(xs, dtype=torch.int32).to(self.device)  # noqa: E731
         return StepBatch(as_device(slots), as_device(cu), as_device(lengths), max(new_tokens, default=0),
-                         self.block_table)
+                         self.block_table, fresh=not any(lengths))
+
+    def advance(self, slots: list[int], new_tokens: list[int]) -> None:
+        """Host-side lengths after a step (or, for a static decode, after all its steps) has written."""
+        for slot, n in zip(slots, new_tokens):
+            self.lengths[slot] += n
 
     def nbytes(self) -> int:
         """Bytes the cache tensors occupy (all pages, used or not, and all window slots)."""

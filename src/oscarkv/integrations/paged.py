@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import abstractmethod
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..cache.mixed import LayerSpec
@@ -33,6 +34,14 @@ def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, he
     return [PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=spec.quant.group_size, bits=spec.bits,
                         page_size=config.page_size, sink_tokens=config.sink_tokens,
                         recent_tokens=config.recent_tokens) for spec in specs]
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal SDPA of a prompt chunk over itself: query [B, Hq, n, D], keys/values [B, Hkv, n, D]
+    -> [B, n, Hq, D] in query.dtype (flash attention on the GPU)."""
+    out = F.scaled_dot_product_attention(query, keys.to(query.dtype), values.to(query.dtype), is_causal=True,
+                                         scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])
+    return out.transpose(1, 2)
 
 
 class AttendingLayer(DynamicLayer):
@@ -53,6 +62,7 @@ class PagedOscarLayer(AttendingLayer):
         self.spec = spec
         self.owner = owner
         self.length = 0
+        self.fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -73,9 +83,12 @@ class PagedOscarLayer(AttendingLayer):
         quant = self.spec.quant
         self.step = step
         self.new_values = v
+        # A prompt's first chunk attends only to itself, at full precision: plain causal SDPA on the
+        # unrotated keys (qRᵀ(kR) = qkᵀ) instead of the paged kernel.
+        self.fresh_kv = (key_states, value_states) if step.fresh and n > 1 else None
         self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, self.k_rotation,
-                                   self.k_mean, quant.clip_ratio_k, quant.clip_ratio_v,
-                                   backend=self.owner.backend, validate=self.index == 0)
+                                   self.k_mean, quant.clip_ratio_k, quant.clip_ratio_v, backend=self.owner.backend,
+                                   validate=self.index == 0 and self.owner.frozen is None)
         self.length += n
         return self, self
 
@@ -88,6 +101,8 @@ class PagedOscarLayer(AttendingLayer):
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
         b, hq, n, d = query.shape
+        if self.fresh_kv is not None and not (sliding_window and sliding_window < n):
+            return causal_attention(query, *self.fresh_kv, scaling)
         q = self.rotate(query).to(query.dtype).transpose(1, 2).reshape(b * n, hq, d).contiguous()
         out = attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
                           scaling, sliding_window or 0, backend=self.owner.backend,
@@ -126,6 +141,7 @@ class PagedOscarCache(DynamicCache):
         self.storage: PagedKVCache | None = None
         self.slots: list[int] = []
         self._step: StepBatch | None = None
+        self.frozen: StepBatch | None = None  # the one StepBatch of every step of a static decode
         Cache.__init__(self, layers=[PagedOscarLayer(i, spec, self) for i, spec in enumerate(specs)])
 
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
@@ -136,7 +152,7 @@ class PagedOscarCache(DynamicCache):
     def begin_step(self, layer_index: int, batch: int, new_tokens: int, device: torch.device) -> StepBatch:
         """The step of the current forward: made by layer 0, reused by the others."""
         if layer_index == 0:
-            self._step = self.reserve_step(batch, new_tokens, device)
+            self._step = self.frozen if self.frozen is not None else self.reserve_step(batch, new_tokens, device)
         if self._step is None:
             raise OscarError("layer 0 must run before the others in a step.")
         return self._step

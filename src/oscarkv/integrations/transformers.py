@@ -7,7 +7,8 @@
    o_proj undoes it for free;
 3. registers the attention function "oscar" (and its mask function, without which
    transformers builds no padding mask for an unknown name) and selects it;
-4. makes every forward and `generate` use an `OscarCache` unless one is passed.
+4. makes every forward and `generate` use an `OscarCache` unless one is passed;
+5. on CUDA, routes plain greedy `generate` calls to the static decode path (CUDA graphs).
 
 Keys are rotated by R_K in the cache's write path and queries in the attention function,
 so (qR)(kR)ᵀ = qkᵀ and keys are never rotated back.
@@ -171,6 +172,17 @@ def _prepare_cache_with_oscar(self, generation_config, model_kwargs, *args, **kw
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
 
+def _generate(self, *args, **kwargs):
+    """A patched model's generate: the static decode path where it serves the call exactly, else
+    transformers' own (see `oscarkv.integrations.static_decode`)."""
+    from .static_decode import generate_static, static_generate_arguments
+
+    arguments = static_generate_arguments(self, args, kwargs)
+    if arguments is None:
+        return type(self).generate(self, *args, **kwargs)
+    return generate_static(self, **arguments)
+
+
 def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig | None = None,
                 cache: CacheConfig | None = None) -> nn.Module:
     """Make `model` store its KV cache as OSCAR INT2 (in place; returns the model).
@@ -205,5 +217,6 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
     if not getattr(model, "_oscar_hooked", False):
         model.register_forward_pre_hook(_inject_cache, with_kwargs=True)
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_with_oscar, model)
+        model.generate = types.MethodType(_generate, model)
         model._oscar_hooked = True
     return model

@@ -26,6 +26,9 @@ WRITE_TYPES = dict(
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW)
+DENSE_TYPES = dict(
+    q_ptr=WINDOW, k_ptr=WINDOW, v_ptr=WINDOW, out_ptr=WINDOW, part_o_ptr="*fp32", part_lse_ptr="*fp32",
+    slots_ptr="*i64", lengths_ptr="*i64", stride_slot="i64", stride_head="i64", scale_log2="fp32", window="i32")
 COMBINE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=WINDOW)
 
 # (head_dim, group, bits, query heads, kv heads, page, sink, recent): Qwen3-like, its INT4 fallback,
@@ -49,7 +52,9 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     """Compile every kernel for each configuration; returns how many compiled (raises on the first failure)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 replaces the kernels by interpreted functions; unset it to compile.")
-    from . import triton_attention, triton_write
+    import triton.language as tl
+
+    from . import triton_attention, triton_dense, triton_write
     from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
@@ -67,6 +72,9 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
                      dict(write, ROTATE=False, CENTER=False, CLIP_K=-1, CLIP_V=-1, BLOCK_T=16), {}))
         jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16), {}))
+        jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
+                     dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),
+                     dict(num_warps=4, num_stages=3)))
         jobs.append((triton_attention._combine_kernel, COMBINE_TYPES, dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32), {}))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)

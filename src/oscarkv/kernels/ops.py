@@ -114,19 +114,24 @@ def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Te
     return k_rot
 
 
-def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
-                  device: torch.device) -> int:
-    """Sequence splits per (sequence, KV head): enough programs to fill the GPU about 4 times over,
-    and at least ~512 history tokens per split. 1 (no merge) when the query blocks alone fill it."""
-    lay = layer.layout
+def split_count(programs: int, tokens: int, device: torch.device) -> int:
+    """Splits of the key positions per program for flash-decoding: enough programs to fill the GPU
+    about 4 times over, and at least ~512 positions per split. 1 (no merge) when `programs` alone
+    fill it."""
     sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
-    m_blocks = -(-max_new * (query_heads // lay.kv_heads) // 16)
-    programs = batch_size * lay.kv_heads * m_blocks
     if programs >= 2 * sms:
         return 1
     wanted = -(-4 * sms // programs)
-    by_length = max(1, (max_context - lay.sink_tokens) // 512)
+    by_length = max(1, tokens // 512)
     return max(2, min(wanted, by_length) + 1)
+
+
+def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
+                  device: torch.device) -> int:
+    """`split_count` for the INT2 kernel, whose programs also own blocks of 16 query rows."""
+    lay = layer.layout
+    m_blocks = -(-max_new * (query_heads // lay.kv_heads) // 16)
+    return split_count(batch_size * lay.kv_heads * m_blocks, max_context - lay.sink_tokens, device)
 
 
 def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
@@ -156,4 +161,36 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
         workspace = (torch.empty(q.shape[0], q.shape[1], num_splits, q.shape[2], dtype=torch.float32, device=q.device),
                      torch.empty(q.shape[0], q.shape[1], num_splits, dtype=torch.float32, device=q.device))
     launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace)
+    return out
+
+
+def attend_dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor, scale: float, window: int = 0, backend: str = "auto",
+                 max_context: int | None = None) -> torch.Tensor:
+    """Decode attention over a dense cache (the BF16 baseline), one query token per sequence.
+
+    q: [B, Hq, D]; keys, values: [slots, Hkv, max_context, D]; slots, lengths: [B] integer device
+    tensors (lengths counts the positions each query sees, its own included). Returns [B, Hq, D]
+    in q.dtype. Nothing here synchronises with the device, so it can be captured in a CUDA graph.
+    """
+    if q.dim() != 3 or keys.dim() != 4 or keys.shape != values.shape or q.shape[2] != keys.shape[3]:
+        raise OscarError(f"attend_dense takes q [B, Hq, D] and keys/values [slots, Hkv, L, D]; got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}.")
+    if q.shape[1] % keys.shape[1]:
+        raise OscarError(f"{q.shape[1]} query heads are not a multiple of {keys.shape[1]} KV heads.")
+    if keys.stride()[2:] != (keys.shape[3], 1) or values.stride() != keys.stride():
+        raise OscarError("keys and values must have contiguous [max_context, D] rows per (slot, KV head).")
+    if resolve_backend(backend, q.device) == "torch":
+        return reference.dense_decode_reference(q, keys, values, slots, lengths, scale, window).to(q.dtype)
+    from .triton_dense import launch_dense_decode
+
+    q = q.contiguous()
+    b, hq, d = q.shape
+    splits = split_count(b * keys.shape[1], max_context or keys.shape[2], q.device)
+    out = torch.empty_like(q)
+    workspace = None
+    if splits > 1:
+        workspace = (torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device),
+                     torch.empty(b, hq, splits, dtype=torch.float32, device=q.device))
+    launch_dense_decode(q, keys, values, slots, lengths, out, scale, window, splits, workspace)
     return out

@@ -136,3 +136,24 @@ def attention_reference(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_
         o = torch.einsum("hgne,hed->hgnd", probs, values)
         out[fresh] = o.reshape(hq, n, -1).transpose(0, 1)
     return out
+
+
+def dense_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                           lengths: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Decode attention over a dense cache (the BF16 baseline): what `_dense_decode_kernel` computes.
+
+    q: [B, Hq, D], one query token per sequence; keys, values: [slots, Hkv, max_context, D];
+    sequence b sees positions [max(0, lengths[b] - window) if window else 0, lengths[b]) of
+    slot slots[b] (its own token included). Returns [B, Hq, D] float32.
+    """
+    b_count, hq, d = q.shape
+    hkv = keys.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        lo = max(0, length - window) if window > 0 else 0
+        k = keys[slot, :, lo:length].float()  # [Hkv, n, D]
+        v = values[slot, :, lo:length].float()
+        queries = q[b].float().reshape(hkv, hq // hkv, d)
+        probs = torch.softmax(torch.einsum("hgd,hnd->hgn", queries, k) * scale, dim=-1)
+        out[b] = torch.einsum("hgn,hnd->hgd", probs, v).reshape(hq, d)
+    return out

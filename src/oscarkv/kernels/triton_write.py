@@ -287,12 +287,17 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
     ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
     _store_window(ring_k_ptr, ring_row, in_ring, k0, k1, k2, k3, D)
     _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
-    in_history = valid & (pos >= S) & (pos < end_new)
-    page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
-    _quantize_store(k0, k1, k2, k3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, NG, BITS, CLIP_K,
-                    BLOCK_T)
-    _quantize_store(v0, v1, v2, v3, in_history, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS, CLIP_V,
-                    BLOCK_T)
+    # Straight into pages only for long prompts; decode tokens always land in the ring, and the
+    # quantizer (two 31-step bisections for the clip) is skipped for blocks with no history row.
+    first_pos = old + block * BLOCK_T
+    last_pos = old + tl.minimum(count, block * BLOCK_T + BLOCK_T) - 1
+    if (first_pos < end_new) & (last_pos >= S):
+        in_history = valid & (pos >= S) & (pos < end_new)
+        page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+        _quantize_store(k0, k1, k2, k3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, NG, BITS,
+                        CLIP_K, BLOCK_T)
+        _quantize_store(v0, v1, v2, v3, in_history, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS,
+                        CLIP_V, BLOCK_T)
 
 
 def clip_rank(clip_ratio: float, head_dim: int) -> int:

@@ -8,7 +8,7 @@ from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 from ..methods import SERVE_METHODS
 from .engine import Engine, EngineConfig
-from .slots import DenseSlotCache, PagedSlotCache
+from ..integrations.slots import DenseSlotCache, PagedSlotCache
 
 
 

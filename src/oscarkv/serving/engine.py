@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import OscarError
+from ..integrations.static_decode import forward_slots
 
 log = logging.getLogger("oscarkv.serving")
 
@@ -282,16 +283,7 @@ class Engine:
 
     def _forward(self, slots: list[int], ids: list[list[int]]) -> torch.Tensor:
         """Append `ids` (one equal-length row per slot) to `slots`; last-position logits [B, V]."""
-        n = len(ids[0])
-        starts = [self.cache.length(slot) for slot in slots]
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None] + torch.arange(
-            n, device=self.device)[None]
-        self.cache.set_batch(slots)
-        out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
-        self.cache.advance(n)
-        return out.logits[:, -1].float()
+        return forward_slots(self.model, self.cache, slots, torch.tensor(ids, dtype=torch.long, device=self.device))
 
     def _prefill_chunk(self, seqs: list[Sequence]) -> None:
         seq = seqs[0]

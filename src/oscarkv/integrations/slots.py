@@ -23,8 +23,9 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache.paged import PagedKVCache
 from ..errors import OscarError
-from ..integrations.paged import AttendingLayer, PagedOscarCache, paged_layouts
-from ..integrations.transformers import OscarState
+from ..kernels.ops import attend_dense
+from .paged import AttendingLayer, PagedOscarCache, causal_attention, paged_layouts
+from .transformers import OscarState
 
 
 class SlotError(OscarError):
@@ -122,6 +123,8 @@ class PagedSlotCache(PagedOscarCache):
 
     def set_batch(self, slots: list[int]) -> None:
         """The slots of the next forward, in the order of its batch rows."""
+        if self.frozen is not None:
+            raise OscarError("the batch of a static decode cannot change before thaw().")
         self.batch_slots = list(slots)
         longest = max((self.storage.lengths[s] for s in slots), default=0)
         for layer in self.layers:
@@ -135,6 +138,24 @@ class PagedSlotCache(PagedOscarCache):
 
     def advance(self, new_tokens: int) -> None:
         """Nothing to do: the paged cache advances its lengths when layer 0 reserves the step."""
+
+    def freeze(self, steps: int) -> None:
+        """Fix the next `steps` one-token steps of the current batch so they can be captured in a CUDA
+        graph: their pages are reserved now, and every step reuses one StepBatch whose device lengths
+        `advance_on_device` moves. `thaw(steps)` afterwards brings the host lengths up to date."""
+        storage = self.storage
+        for slot in self.batch_slots:
+            storage.reserve(slot, storage.lengths[slot] + steps)
+        self.frozen = storage.metadata(self.batch_slots, [1] * len(self.batch_slots))
+
+    def advance_on_device(self) -> None:
+        """End of a frozen step: every sequence of the batch holds one more token (no host work)."""
+        self.frozen.lengths.add_(1)
+
+    def thaw(self, steps_done: int) -> None:
+        self.frozen = None
+        self.storage.advance(self.batch_slots, [steps_done] * len(self.batch_slots))
+        self.set_batch(self.batch_slots)
 
     def usage(self) -> CacheUsage:
         alloc = self.storage.allocator
@@ -174,9 +195,21 @@ class DenseSlotLayer(AttendingLayer):
         return self, self
 
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
-        """query: [B, Hq, n, D] -> [B, n, Hq, D]: SDPA over each row's stored positions (causal)."""
+        """query: [B, Hq, n, D] -> [B, n, Hq, D] over each row's stored positions (causal).
+
+        Decode on the GPU or in a static decode (n = 1): the dense decode kernel, which reads each
+        row's length on the device (so a CUDA graph can replay it). A prompt's first chunk: causal
+        SDPA over itself. Otherwise (and CPU serving, batched): SDPA with a mask."""
         o = self.owner
         b, hq, n, d = query.shape
+        if n == 1 and (o.frozen or query.device.type == "cuda" or o.backend == "triton"):
+            out = attend_dense(query[:, :, 0].to(o.dtype), self.keys_store, self.values_store, o.slots_on_device,
+                               o.starts_on_device + 1, scaling, sliding_window or 0, backend=o.backend)
+            return out[:, None].to(query.dtype)
+        if not any(o.batch_starts) and not (sliding_window and sliding_window < n):
+            rows = o.slots_on_device
+            return causal_attention(query.to(o.dtype), self.keys_store[rows, :, :n], self.values_store[rows, :, :n],
+                                    scaling).to(query.dtype)
         starts = o.starts_on_device
         # Keys up to a multiple of 256 (masked beyond each row's length): the attention backend
         # then sees a new shape only every 256 steps instead of at every step.
@@ -208,8 +241,12 @@ class DenseSlotCache(DynamicCache):
     """The BF16 baseline for the serving engine (see the module docstring)."""
 
     def __init__(self, num_layers: int, max_slots: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
-                 kv_heads: int = 1, head_dim: int = 1, device: torch.device | str = "cpu") -> None:
+                 kv_heads: int = 1, head_dim: int = 1, device: torch.device | str = "cpu",
+                 backend: str = "auto") -> None:
         self.max_slots, self.max_context, self.dtype = max_slots, max_context, dtype
+        self.backend = backend
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.frozen = False
         self.device = torch.device(device)
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
         self.book = _SlotBook(max_slots)
@@ -245,6 +282,8 @@ class DenseSlotCache(DynamicCache):
         return self.lengths[slot]
 
     def set_batch(self, slots: list[int]) -> None:
+        if self.frozen:
+            raise OscarError("the batch of a static decode cannot change before thaw().")
         self.batch_slots = list(slots)
         self.batch_starts = [self.lengths[s] for s in slots]
         self.slots_on_device = torch.tensor(self.batch_slots, device=self.device)
@@ -257,6 +296,22 @@ class DenseSlotCache(DynamicCache):
         """After a forward: every slot of the batch holds `new_tokens` more."""
         for slot in self.batch_slots:
             self.lengths[slot] += new_tokens
+
+    def freeze(self, steps: int) -> None:
+        """See `PagedSlotCache.freeze`: here only a check, since every slot owns max_context positions."""
+        for slot in self.batch_slots:
+            if self.lengths[slot] + steps > self.max_context:
+                raise SlotError(f"slot {slot} holds {self.lengths[slot]} tokens; {steps} more exceed its "
+                                f"max_context={self.max_context}.")
+        self.frozen = True
+
+    def advance_on_device(self) -> None:
+        self.starts_on_device.add_(1)
+
+    def thaw(self, steps_done: int) -> None:
+        self.frozen = False
+        self.advance(steps_done)
+        self.set_batch(self.batch_slots)
 
     def usage(self) -> CacheUsage:
         used = sum(self.lengths[s] for s in self.book.promised) * self.bytes_per_token

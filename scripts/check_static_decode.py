@@ -1,0 +1,114 @@
+"""GPU check of the static decode path on the Qwen3-4B architecture (random weights).
+
+Greedy generations must be equal token for token between
+- transformers' own generate loop over the paged cache (eager, one forward per token),
+- the static path run eagerly (same buffers, no graph),
+- the static path replayed from a CUDA graph, and
+- `model.generate`, which a patched model routes to the static path on CUDA.
+Also prints the mean step time of the eager static steps and of the graph replays.
+
+    python scripts/check_static_decode.py [--prompt 1000] [--new 64] [--batch 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import oscarkv
+from oscarkv.integrations.paged import PagedOscarCache
+from oscarkv.integrations.static_decode import StaticDecoder, forward_slots, generate_static, slot_cache_for
+from oscarkv.models import load_model
+
+
+def step_ms(model, prompt, new: int, graphs: bool) -> float:
+    total = prompt.shape[1] + new + 8
+    cache = slot_cache_for(model, prompt.shape[0], total)
+    slots = [cache.open(total) for _ in range(prompt.shape[0])]
+    with torch.inference_mode():
+        first = forward_slots(model, cache, slots, prompt).argmax(-1)
+        decoder = StaticDecoder(model, cache, graphs=graphs)
+        last = decoder.decode(slots, first, 4)[:, -1]  # compiles the kernels
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        decoder.decode(slots, last, new)
+        torch.cuda.synchronize()
+    if graphs:
+        replays, seconds = decoder.replay_timing
+        return 1e3 * seconds / replays
+    return 1e3 * (time.perf_counter() - started) / new
+
+
+def profile(model, prompt, steps: int = 8) -> None:
+    """The GPU kernels of `steps` eager static steps, by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    total = prompt.shape[1] + steps + 8
+    cache = slot_cache_for(model, prompt.shape[0], total)
+    slots = [cache.open(total) for _ in range(prompt.shape[0])]
+    with torch.inference_mode():
+        first = forward_slots(model, cache, slots, prompt).argmax(-1)
+        decoder = StaticDecoder(model, cache, graphs=False)
+        last = decoder.decode(slots, first, 2)[:, -1]
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            decoder.decode(slots, last, steps)
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="random:qwen3-4b")
+    parser.add_argument("--prompt", type=int, default=1000)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="also print the GPU kernels of 8 static steps")
+    parser.add_argument("--profile-only", action="store_true", help="only the kernel profile, no equality checks")
+    args = parser.parse_args()
+    model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
+    context = args.prompt + args.new
+    report = {}
+    for method in ("hadamard", "bf16"):
+        oscarkv.patch(model, method=method)
+        if args.profile_only:
+            print(f"{method}, batch {args.batch}, prompt {args.prompt}:")
+            profile(model, prompt)
+            continue
+        state = model.oscar
+        outputs = {}
+        if method != "bf16":
+            cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, context)
+            with torch.inference_mode():
+                outputs["transformers loop"] = type(model).generate(model, prompt, past_key_values=cache,
+                                                                    max_new_tokens=args.new, do_sample=False)
+        else:
+            with torch.inference_mode():
+                outputs["transformers loop"] = type(model).generate(model, prompt, max_new_tokens=args.new,
+                                                                    do_sample=False)
+        outputs["static, eager"] = generate_static(model, prompt, args.new, graphs=False)
+        outputs["static, CUDA graph"] = generate_static(model, prompt, args.new, graphs=True)
+        outputs["model.generate"] = model.generate(prompt, max_new_tokens=args.new, do_sample=False)
+        base = outputs["static, CUDA graph"]
+        report[method] = {
+            "equal_to_graph": {k: bool(torch.equal(v, base)) for k, v in outputs.items()},
+            "first_mismatch": {k: int((v[:, args.prompt:] != base[:, args.prompt:]).any(0).long().argmax())
+                               if not torch.equal(v, base) else None for k, v in outputs.items()},
+            "eager_step_ms": step_ms(model, prompt, args.new, graphs=False),
+            "graph_step_ms": step_ms(model, prompt, args.new, graphs=True),
+        }
+        print(method, json.dumps(report[method]), flush=True)
+        if args.profile:
+            profile(model, prompt)
+    print(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(), "batch": args.batch,
+                      "prompt": args.prompt, "new": args.new, **report}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""`oscarkv bench decode`: whole-model decode speed, BF16 cache vs INT2 cache, on one GPU.
+
+Both caches run through the same static decode path (`StaticDecoder`: one CUDA graph per
+step, the same model, the same argmax); only the cache differs:
+- BF16: `DenseSlotCache`, contiguous K/V per slot, decode attention by `attend_dense`;
+- INT2: `PagedSlotCache`, BF16 sink (64) and recent ring (256 + one page), INT2 history pages
+  (group 128), the kernels of `oscarkv.kernels`. The model is patched with the `hadamard`
+  method: OSCAR's kernels and bytes with every layer INT2 (a calibrated OSCAR artifact adds
+  only the centering subtraction in the write and may keep a few layers INT4).
+
+Before decoding, each cache is filled to the context length: the INT2 cache through its
+write kernel, the BF16 cache by writing its buffers, both with random keys and values
+(decode time does not depend on the values). Prefill is timed separately, as a real
+forward over a prompt.
+
+Figures, per (batch, context):
+- step_ms: mean time of one decode step over `steps` graph replays (CUDA events);
+- tokens_per_s: batch / step time;
+- roofline_ms: the bytes a step must read (the weights once, plus each sequence's KV cache
+  at that length) divided by the device-to-device copy bandwidth measured in the same run;
+  roofline_fraction = roofline_ms / step_ms (1.0 = at the byte limit).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import OscarError
+from ..integrations.paged import paged_layouts
+from ..integrations.slots import DenseSlotCache, PagedSlotCache
+from ..integrations.static_decode import StaticDecoder, forward_slots, slot_cache_for
+from ..kernels.ops import write_step
+from .attention import copy_bandwidth_gbs
+
+METHODS = {"bf16": "bf16", "int2": "hadamard"}  # what the benchmark calls a cache -> the method patched
+BATCH_CAP = 256
+
+
+@dataclass
+class DecodeRun:
+    cache: str
+    batch: int
+    context: int
+    steps: int
+    step_ms: float
+    tokens_per_s: float
+    kv_bytes_per_step: int
+    weight_bytes: int
+    roofline_ms: float
+    roofline_fraction: float
+    kv_bytes_allocated: int
+
+
+@dataclass
+class PrefillRun:
+    cache: str
+    tokens: int
+    ms: float
+    tokens_per_s: float
+
+
+@dataclass
+class Settings:
+    model: str = "random:qwen3-4b"
+    contexts: tuple[int, ...] = (30000, 60000, 100000)
+    batch: int = 32
+    batch_contexts: tuple[int, ...] = (8192, 32768)
+    largest_batch: bool = True
+    prefill_tokens: int = 32768
+    bits_context: int = 131072
+    steps: int = 128
+    memory_margin_gib: float = 6.0
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except an input embedding
+    that is not also the LM head (a step reads only its batch's rows of it)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() != embed.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def kv_bytes_read(cache, batch: int, length: int) -> int:
+    """Bytes of KV cache a decode step reads for `batch` sequences of `length` tokens."""
+    if isinstance(cache, DenseSlotCache):
+        return batch * length * cache.bytes_per_token
+    total = 0
+    for lay in cache.layouts:
+        history = lay.history_end(length) - lay.sink_tokens
+        window = length - history
+        total += lay.kv_heads * (history * lay.history_bytes_per_token() + window * 2 * lay.head_dim * 2)
+    return batch * total
+
+
+def kv_bytes_per_sequence(model, context: int) -> dict[str, int]:
+    """Allocated KV bytes of one slot of `context` tokens, per cache (from the cache's tensors)."""
+    state = model.oscar
+    out = {}
+    for name in METHODS:
+        if name == "bf16":
+            per_token = 2 * len(state.specs) * state.kv_heads * state.head_dim * state.cache.window_dtype.itemsize
+            out[name] = context * per_token
+        else:
+            layouts = paged_layouts(state.specs, state.cache, state.kv_heads, state.head_dim)
+            pages = layouts[0].pages_needed(context)
+            per_page = sum(x.kv_heads * x.page_size * x.history_bytes_per_token() for x in layouts)
+            windows = sum(2 * x.kv_heads * (x.sink_tokens + x.ring_capacity) * x.head_dim * 2 for x in layouts)
+            out[name] = pages * per_page + windows
+    return out
+
+
+def fill(cache, slots: list[int], context: int, chunk_tokens: int = 65536, seed: int = 0) -> None:
+    """Bring every slot to `context` tokens of random keys and values (see the module docstring);
+    the INT2 cache is written `chunk_tokens` tokens (over all slots) at a time."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    if isinstance(cache, PagedSlotCache):
+        chunk = max(64, chunk_tokens // len(slots))
+        storage = cache.storage
+        for start in range(0, context, chunk):
+            n = min(chunk, context - start)
+            step = storage.step(slots, [n] * len(slots))
+            for layer in storage.layers:
+                lay = layer.layout
+                shape = (len(slots) * n, lay.kv_heads, lay.head_dim)
+                k = torch.randn(shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+                write_step(layer, step, k, v, validate=False)
+        cache.set_batch(slots)
+        return
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            probe = torch.zeros(1, cache.kv_heads, 1, cache.head_dim, dtype=cache.dtype, device="cuda")
+            layer.lazy_initialization(probe, probe)
+        for slot in slots:
+            layer.keys_store[slot, :, :context].normal_(generator=generator)
+            layer.values_store[slot, :, :context].normal_(generator=generator)
+    for slot in slots:
+        cache.lengths[slot] = context
+    cache.set_batch(slots)
+
+
+def _patch(model, name: str) -> None:
+    import oscarkv
+
+    oscarkv.patch(model, method=METHODS[name])
+
+
+def decode_run(model, name: str, batch: int, context: int, steps: int, weights: int, bandwidth_gbs: float) -> DecodeRun:
+    """Fill a fresh cache of `batch` slots to `context` tokens, then time `steps` graph-replayed steps."""
+    _patch(model, name)
+    warmup = 2
+    total = context + warmup + steps + 1
+    cache = slot_cache_for(model, batch, total)
+    try:
+        slots = [cache.open(total) for _ in range(batch)]
+        fill(cache, slots, context)
+        vocab = model.config.vocab_size
+        first = torch.randint(0, vocab, (batch,), device="cuda")
+        decoder = StaticDecoder(model, cache, graphs=True, warmup_steps=warmup)
+        decoder.decode(slots, first, warmup + steps)
+        replays, seconds = decoder.replay_timing
+        step_ms = 1e3 * seconds / replays
+        kv_bytes = kv_bytes_read(cache, batch, context + warmup + steps // 2)
+        roofline_ms = (weights + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
+        allocated = cache.usage().bytes_total
+    finally:
+        del cache
+        torch.cuda.empty_cache()
+    return DecodeRun(name, batch, context, replays, step_ms, batch / step_ms * 1e3, kv_bytes, weights, roofline_ms,
+                     roofline_ms / step_ms, allocated)
+
+
+def prefill_run(model, name: str, tokens: int, repeats: int = 2) -> PrefillRun:
+    """Time a real forward over a `tokens`-token prompt into an empty cache (best of `repeats`, after one warm-up)."""
+    _patch(model, name)
+    cache = slot_cache_for(model, 1, tokens + 1)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    best = float("inf")
+    try:
+        for i in range(repeats + 1):
+            slot = cache.open(tokens + 1)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                forward_slots(model, cache, [slot], ids)
+            torch.cuda.synchronize()
+            if i:
+                best = min(best, time.perf_counter() - started)
+            cache.close(slot)
+    finally:
+        del cache
+        torch.cuda.empty_cache()
+    return PrefillRun(name, tokens, best * 1e3, tokens / best)
+
+
+def bits_per_element(model, context: int) -> dict:
+    """Bits per stored K/V element of one INT2 slot holding `context` tokens, from the allocator."""
+    _patch(model, "int2")
+    state = model.oscar
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    pages = PagedSlotCache.pages_for_budget(state, 1, context, None)
+    cache = PagedSlotCache(state, 1, pages, context, torch.device("cuda"))
+    allocated = torch.cuda.memory_allocated() - before
+    elements = context * len(state.specs) * state.kv_heads * state.head_dim * 2
+    del cache
+    torch.cuda.empty_cache()
+    return {"context": context, "allocated_bytes": allocated, "elements": elements,
+            "bits_per_element": 8 * allocated / elements, "group_size": state.quant.group_size}
+
+
+def largest_batch(model, name: str, context: int, margin_gib: float) -> int:
+    """Sequences of `context` tokens whose cache fits in the free GPU memory less a margin (capped)."""
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0] - int(margin_gib * 2**30)
+    per_sequence = kv_bytes_per_sequence(model, context)[name]
+    return max(0, min(BATCH_CAP, free // per_sequence))
+
+
+def run(settings: Settings, progress=None) -> dict:
+    """All measurements for one model; `progress(message)` is told what runs next."""
+    from ..models import load_model
+
+    if not torch.cuda.is_available():
+        raise OscarError("bench decode measures a CUDA GPU and none is visible; run it on a GPU machine.")
+    say = progress or (lambda message: None)
+    model, _ = load_model(settings.model, device="cuda", dtype=torch.bfloat16)
+    limit = getattr(model.config, "max_position_embeddings", None) or max(settings.contexts)
+    bandwidth = copy_bandwidth_gbs(torch.device("cuda"))
+    weights = weight_bytes(model)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": settings.model,
+              "copy_bandwidth_gbs": bandwidth, "weight_bytes": weights, "settings": asdict(settings),
+              "single": [], "equal_memory": [], "largest": [], "skipped": []}
+
+    def pair(batches: dict[str, int], context: int) -> dict:
+        runs = {}
+        for name, batch in batches.items():
+            say(f"{name} batch {batch} x {context} tokens")
+            runs[name] = asdict(decode_run(model, name, batch, context, settings.steps, weights, bandwidth)) \
+                if batch else None
+        if all(runs.values()):
+            runs["throughput_ratio"] = runs["int2"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
+            runs["step_speedup"] = runs["bf16"]["step_ms"] / runs["int2"]["step_ms"]
+        return runs
+
+    for context in settings.contexts:
+        if context + settings.steps + 3 > limit:
+            result["skipped"].append(f"batch 1 x {context}: longer than the model's {limit} positions")
+            continue
+        result["single"].append({"context": context, **pair({"bf16": 1, "int2": 1}, context)})
+    for context in settings.batch_contexts:
+        if context + settings.steps + 3 > limit:
+            result["skipped"].append(f"batch x {context}: longer than the model's {limit} positions")
+            continue
+        per_seq = kv_bytes_per_sequence(model, context + settings.steps + 3)
+        budget = settings.batch * per_seq["int2"]
+        bf16_batch = budget // per_seq["bf16"]
+        entry = pair({"int2": settings.batch, "bf16": bf16_batch}, context)
+        result["equal_memory"].append({"context": context, "kv_budget_bytes": budget, **entry})
+        if settings.largest_batch:
+            fits = {name: largest_batch(model, name, context + settings.steps + 3, settings.memory_margin_gib)
+                    for name in ("int2", "bf16")}
+            result["largest"].append({"context": context, **pair(fits, context)})
+    if settings.prefill_tokens and settings.prefill_tokens < limit:
+        say(f"prefill of {settings.prefill_tokens} tokens")
+        result["prefill"] = {name: asdict(prefill_run(model, name, settings.prefill_tokens)) for name in METHODS}
+        result["prefill"]["ratio"] = result["prefill"]["int2"]["ms"] / result["prefill"]["bf16"]["ms"]
+    say("bits per element")
+    result["bits"] = bits_per_element(model, min(settings.bits_context, limit))
+    per_sequence = kv_bytes_per_sequence(model, result["bits"]["context"])
+    result["kv_bytes_per_token"] = {name: b / result["bits"]["context"] for name, b in per_sequence.items()}
+    return result

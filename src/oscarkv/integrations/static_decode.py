@@ -1,0 +1,240 @@
+"""Static-shape greedy decoding over a slot cache, replayed from one CUDA graph.
+
+A decode step of a fixed batch has the same shapes every time: one token per sequence.
+What changes is data: the token ids, the positions, and each sequence's stored length.
+`StaticDecoder` keeps all three in device buffers that the step itself advances, so the
+whole step (embedding, every layer's write and attention, the LM head, the argmax, the
+bookkeeping) is one CUDA graph, replayed with no host work and no host sync per token.
+
+The caches make that possible with `freeze(steps)`: before the steps, the paged INT2 cache
+reserves the pages they need and fixes one `StepBatch` whose device lengths
+`advance_on_device` increments; the dense BF16 cache needs no pages, and its decode
+attention (`attend_dense`) reads lengths from the device too. The BF16 baseline therefore
+runs through exactly the same path as the INT2 cache: only the cache differs.
+
+`generate_static` is greedy `generate` on top of it: prefill (eager: one forward over the
+prompt), then the static decode. A patched model's `generate` routes to it on CUDA when
+the call is plain greedy decoding (`static_generate_arguments` says when); everything else
+goes to transformers' own loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from ..errors import OscarError
+from .slots import DenseSlotCache, PagedSlotCache
+
+SlotCache = PagedSlotCache | DenseSlotCache
+
+# Settings of a GenerationConfig that change what greedy decoding picks; generate() keeps
+# transformers' loop when any of them differs from the default.
+_GREEDY_CHANGERS = ("num_beams", "do_sample", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+                    "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
+                    "begin_suppress_tokens", "sequence_bias", "stop_strings", "num_return_sequences",
+                    "exponential_decay_length_penalty", "encoder_repetition_penalty", "guidance_scale",
+                    "output_scores", "output_logits", "return_dict_in_generate", "output_attentions",
+                    "output_hidden_states", "max_time", "renormalize_logits", "watermarking_config",
+                    "prompt_lookup_num_tokens", "assistant_early_exit", "low_memory", "diversity_penalty")
+# Keyword arguments of generate() that the static path handles itself.
+_STATIC_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
+                  "use_cache"}
+
+
+def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Tensor) -> torch.Tensor:
+    """Append input_ids [B, n] (row i to slots[i]) through the model; last-position logits [B, V] (float32)."""
+    n = input_ids.shape[1]
+    starts = torch.tensor([cache.length(s) for s in slots], dtype=torch.long)
+    positions = (starts[:, None] + torch.arange(n)[None]).to(input_ids.device)
+    cache.set_batch(slots)
+    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    cache.advance(n)
+    return out.logits[:, -1].float()
+
+
+class StaticDecoder:
+    """Greedy decoding of a fixed batch of slots: eager warm-up steps, then one captured CUDA graph.
+
+    graphs: capture and replay (default: on CUDA). Without it every step runs eagerly through the
+    same static buffers, which is what the CPU tests check against the step-by-step path.
+    """
+
+    def __init__(self, model, cache: SlotCache, graphs: bool | None = None, warmup_steps: int = 2) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise OscarError(f"CUDA graphs need a CUDA model; this one is on {self.device} (use graphs=False).")
+        self.warmup_steps = max(1, warmup_steps)
+        self.replay_timing: tuple[int, float] | None = None  # (steps, seconds) of the last graph replays
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], last_tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """Feed last_tokens [B] (chosen, not yet in the cache) to `slots` and decode `steps` tokens
+        greedily. Returns [B, steps]: column 0 is the prediction after last_tokens."""
+        b = len(slots)
+        if last_tokens.shape != (b,):
+            raise OscarError(f"last_tokens must be [{b}] (one per slot), got {tuple(last_tokens.shape)}.")
+        buffers = _StepBuffers.create(self.cache, slots, last_tokens.to(self.device), steps)
+        if steps == 0:
+            return buffers.tokens
+        self.cache.set_batch(slots)
+        self.cache.freeze(steps)
+        done = 0
+        try:
+            eager = steps if not self.graphs else min(steps, self.warmup_steps)
+            for _ in range(eager):
+                self._step(buffers)
+                done += 1
+            if done < steps:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._step(buffers)  # recorded, not run: the buffers stay as the eager steps left them
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                replays = steps - done
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                    done += 1
+                end.record()
+                end.synchronize()
+                self.replay_timing = (replays, start.elapsed_time(end) / 1e3)
+        finally:
+            self.cache.thaw(done)
+        return buffers.tokens
+
+    def _step(self, buf: _StepBuffers) -> None:
+        logits = self.model(input_ids=buf.ids, position_ids=buf.positions, past_key_values=self.cache,
+                            use_cache=True, logits_to_keep=1).logits
+        chosen = logits[:, -1].argmax(dim=-1, keepdim=True)
+        buf.tokens.index_copy_(1, buf.counter, chosen)
+        buf.ids.copy_(chosen)
+        buf.positions.add_(1)
+        buf.counter.add_(1)
+        self.cache.advance_on_device()
+
+
+@dataclass
+class _StepBuffers:
+    """The device tensors a static step reads and advances."""
+
+    ids: torch.Tensor  # [B, 1] the token each sequence appends this step
+    positions: torch.Tensor  # [B, 1] its position
+    tokens: torch.Tensor  # [B, steps] the chosen tokens
+    counter: torch.Tensor  # [1] steps done
+
+    @classmethod
+    def create(cls, cache: SlotCache, slots: list[int], last_tokens: torch.Tensor, steps: int) -> _StepBuffers:
+        device = last_tokens.device
+        positions = torch.tensor([[cache.length(s)] for s in slots], dtype=torch.long, device=device)
+        return cls(last_tokens.long().reshape(-1, 1).clone(), positions,
+                   torch.zeros(len(slots), steps, dtype=torch.long, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device))
+
+
+def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto") -> SlotCache:
+    """The slot cache of a patched model's method: paged INT2/INT4, or dense BF16 for `bf16`."""
+    state = model.oscar
+    device = next(model.parameters()).device
+    if not state.cache.quantize_history:
+        if state.cache.history_dtype not in (None, state.cache.window_dtype):
+            raise OscarError("the static decode path has no FP8 cache; use model.generate with "
+                             "CacheConfig(static_decode=False).")
+        return DenseSlotCache(len(state.specs), batch, max_context, state.cache.window_dtype, state.kv_heads,
+                              state.head_dim, device, backend)
+    state.uses_paged(device)  # raises, naming the reason, where the paged cache cannot take the model
+    pages = PagedSlotCache.pages_for_budget(state, batch, max_context, None)
+    return PagedSlotCache(state, batch, pages, max_context, device, backend)
+
+
+@torch.inference_mode()
+def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
+                    pad_token_id: int | None = None, graphs: bool | None = None,
+                    max_context: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """Greedy generation through the static decode path; returns [B, prompt + new] like `generate`.
+
+    Rows stop at an EOS token (later positions become pad_token_id) and generation ends when every
+    row has stopped, as transformers' greedy search does. max_context: the cache's length
+    (default: prompt + max_new_tokens). backend: the cache's kernels ("auto": Triton on CUDA).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise OscarError(f"input_ids must be [batch, prompt tokens] with a non-empty prompt, got "
+                         f"{tuple(input_ids.shape)}.")
+    if max_new_tokens < 1:
+        raise OscarError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+    b, n = input_ids.shape
+    context = max_context or n + max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and n + max_new_tokens > limit:
+        raise OscarError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions; "
+                         "shorten the prompt or ask for fewer tokens.")
+    cache = slot_cache_for(model, b, context, backend)
+    slots = [cache.open(n + max_new_tokens) for _ in range(b)]
+    first = forward_slots(model, cache, slots, input_ids).argmax(dim=-1)
+    rest = StaticDecoder(model, cache, graphs).decode(slots, first, max_new_tokens - 1)
+    new = torch.cat([first[:, None], rest], dim=1)
+    return torch.cat([input_ids, stop_at_eos(new, eos_token_id, pad_token_id)], dim=1)
+
+
+def stop_at_eos(new: torch.Tensor, eos_token_id, pad_token_id: int | None) -> torch.Tensor:
+    """Greedy search's stopping on the tokens of a run that did not stop: positions after a row's
+    first EOS become pad, and the columns after the last row's EOS are dropped."""
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not eos:
+        return new
+    is_eos = torch.isin(new, torch.tensor(eos, device=new.device))
+    seen = is_eos.long().cumsum(dim=1)
+    after = (seen - is_eos.long()) > 0  # strictly after the first EOS
+    pad = eos[0] if pad_token_id is None else pad_token_id
+    new = new.masked_fill(after, pad)
+    stopped = seen > 0
+    if bool(stopped[:, -1].all()):
+        new = new[:, :int(stopped.all(dim=0).long().argmax()) + 1]
+    return new
+
+
+def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
+    """The arguments of `generate_static` for a generate() call it can serve exactly, else None.
+
+    It serves plain greedy decoding of an unpadded batch on CUDA with a cache the static path has
+    (paged INT2/INT4, or BF16), when CacheConfig.static_decode is on."""
+    state = getattr(model, "oscar", None)
+    device = next(model.parameters()).device
+    if state is None or not state.cache.static_decode or device.type != "cuda":
+        return None
+    if len(args) > 1 or set(kwargs) - _STATIC_KWARGS or kwargs.get("use_cache") is False:
+        return None
+    input_ids = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        return None
+    config = model.generation_config
+    default = GenerationConfig()
+    for name in _GREEDY_CHANGERS:
+        value = getattr(config, name, None)
+        if name != "do_sample" and value not in (None, False, getattr(default, name, None)):
+            return None
+    if kwargs.get("do_sample", config.do_sample):
+        return None
+    max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if max_new is None:
+        return None
+    history = state.cache
+    if history.kernel == "reference" or history.history_dtype not in (None, history.window_dtype):
+        return None
+    if history.quantize_history:
+        try:
+            if not state.uses_paged(device):
+                return None
+        except OscarError:
+            return None
+    return dict(input_ids=input_ids, max_new_tokens=int(max_new),
+                eos_token_id=kwargs.get("eos_token_id", config.eos_token_id),
+                pad_token_id=kwargs.get("pad_token_id", config.pad_token_id))

@@ -1,0 +1,134 @@
+"""The static decode path (`StaticDecoder`, `generate_static`) against transformers' generate.
+
+On a CPU the static steps run eagerly (no CUDA graph) through the same buffers and frozen
+cache metadata; on a GPU the same tests also capture and replay the graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oscarkv
+from oscarkv import CacheConfig
+from oscarkv.errors import OscarError
+from oscarkv.integrations.paged import PagedOscarCache
+from oscarkv.integrations.slots import DenseSlotCache, SlotError
+from oscarkv.integrations.static_decode import (StaticDecoder, forward_slots, generate_static, slot_cache_for,
+                                                static_generate_arguments, stop_at_eos)
+from oscarkv.kernels.ops import triton_available
+from test_transformers_cache import _ids, _random_artifact
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAGED = dict(sink_tokens=16, recent_tokens=32, page_size=16)
+GRAPHS = [False, True] if DEVICE == "cuda" else [False]
+# The paged kernels in the CPU interpreter take minutes for these runs; their torch references
+# (tested against the kernels in test_kernels.py) exercise the same static-path logic.
+PAGED_BACKEND = "auto" if DEVICE == "cuda" else "torch"
+
+
+def _model(method: str):
+    model = tiny_model("llama", head_dim=64, attention_scale=3.0).to(DEVICE)
+    if method == "bf16":
+        return oscarkv.patch(model, method="bf16", cache=CacheConfig(**PAGED))
+    artifact = _random_artifact(model)
+    artifact.group_size = 64
+    return oscarkv.patch(model, artifact, quant=oscarkv.QuantConfig(group_size=64),
+                         cache=CacheConfig(kernel="paged", **PAGED))
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+def test_int2_static_generation_equals_transformers_generate(graphs):
+    """70-token prompts, 30 new tokens: ring flushes at 80 and 96 happen inside the static steps."""
+    model = _model("oscar")
+    ids = _ids(70, batch=2).to(DEVICE)
+    state = model.oscar
+    cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 100, backend=PAGED_BACKEND)
+    with torch.no_grad():
+        reference = type(model).generate(model, ids, past_key_values=cache, max_new_tokens=30, do_sample=False)
+    static = generate_static(model, ids, 30, graphs=graphs, backend=PAGED_BACKEND)
+    assert torch.equal(static, reference)
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+def test_bf16_static_generation_equals_transformers_generate(graphs):
+    model = _model("bf16")
+    ids = _ids(40, batch=2).to(DEVICE)
+    with torch.no_grad():
+        reference = type(model).generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                         do_sample=False)
+    assert torch.equal(generate_static(model, ids, 20, graphs=graphs), reference)
+
+
+@pytest.mark.parametrize("method", ["oscar", "bf16"])
+def test_decoding_in_two_runs_equals_one_run(method):
+    """thaw() leaves the cache as step-by-step decoding would: a second static run continues exactly."""
+    model = _model(method)
+    ids = _ids(50).to(DEVICE)
+    runs = []
+    for split in ([12], [5, 7]):
+        cache = slot_cache_for(model, 1, 100, PAGED_BACKEND if method == "oscar" else "auto")
+        slot = cache.open(100)
+        last = forward_slots(model, cache, [slot], ids).argmax(dim=-1)
+        tokens = [last]
+        decoder = StaticDecoder(model, cache, graphs=False)
+        for steps in split:
+            new = decoder.decode([slot], last, steps)
+            tokens.append(new[0])
+            last = new[:, -1]
+        assert cache.length(slot) == 50 + 12
+        runs.append(torch.cat(tokens))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_frozen_cache_refuses_a_new_batch_and_overflow():
+    model = _model("oscar")
+    cache = slot_cache_for(model, 2, 64)
+    slots = [cache.open(64), cache.open(64)]
+    cache.set_batch(slots)
+    cache.freeze(4)
+    with pytest.raises(OscarError, match="static decode"):
+        cache.set_batch(slots[:1])
+    cache.thaw(0)
+    dense = DenseSlotCache(2, 1, 16, device=DEVICE)
+    slot = dense.open(16)
+    dense.set_batch([slot])
+    with pytest.raises(SlotError, match="max_context=16"):
+        dense.freeze(17)
+
+
+def test_stop_at_eos_matches_greedy_search():
+    new = torch.tensor([[1, 5, 2, 3], [5, 1, 1, 1]])
+    assert stop_at_eos(new, 5, 0).tolist() == [[1, 5], [5, 0]]  # every row stopped: ends at the last EOS
+    assert stop_at_eos(new, [7, 5], None).tolist() == [[1, 5], [5, 7]]  # pad defaults to the first EOS id
+    assert stop_at_eos(torch.tensor([[1, 5, 2], [4, 1, 1]]), 5, 0).tolist() == [[1, 5, 0], [4, 1, 1]]
+    assert torch.equal(stop_at_eos(new, None, 0), new)
+
+
+def test_generate_routes_only_plain_greedy_calls_on_cuda():
+    model = _model("oscar")
+    ids = _ids(20).to(DEVICE)
+    arguments = static_generate_arguments(model, (ids,), {"max_new_tokens": 4})
+    if DEVICE == "cpu":
+        assert arguments is None  # transformers' loop on the CPU
+        return
+    assert arguments["max_new_tokens"] == 4 and arguments["input_ids"] is ids
+    for extra in ({"do_sample": True}, {"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()},
+                  {"attention_mask": torch.cat([torch.zeros_like(ids[:, :1]), ids[:, 1:]], 1) * 0}):
+        assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4, **extra}) is None
+    model.oscar.cache = CacheConfig(kernel="paged", static_decode=False, **PAGED)
+    assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4}) is None
+
+
+def test_generate_static_refuses_bad_requests():
+    model = _model("oscar")
+    with pytest.raises(OscarError, match="max_new_tokens=0"):
+        generate_static(model, _ids(10).to(DEVICE), 0)
+    with pytest.raises(OscarError, match="512 positions"):
+        generate_static(model, _ids(500).to(DEVICE), 20)
+    if DEVICE == "cpu":
+        with pytest.raises(OscarError, match="CUDA"):
+            StaticDecoder(model, slot_cache_for(model, 1, 32), graphs=True)
