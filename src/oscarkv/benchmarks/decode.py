@@ -23,6 +23,7 @@ Figures, per (batch, context):
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import asdict, dataclass
 
@@ -153,6 +154,7 @@ def _patch(model, name: str) -> None:
 
 def decode_run(model, name: str, batch: int, context: int, steps: int, weights: int, bandwidth_gbs: float) -> DecodeRun:
     """Fill a fresh cache of `batch` slots to `context` tokens, then time `steps` graph-replayed steps."""
+    release_memory()  # the previous run's cache, now garbage
     _patch(model, name)
     warmup = 2
     total = context + warmup + steps + 1
@@ -171,13 +173,14 @@ def decode_run(model, name: str, batch: int, context: int, steps: int, weights: 
         allocated = cache.usage().bytes_total
     finally:
         del cache
-        torch.cuda.empty_cache()
+        release_memory()
     return DecodeRun(name, batch, context, replays, step_ms, batch / step_ms * 1e3, kv_bytes, weights, roofline_ms,
                      roofline_ms / step_ms, allocated)
 
 
 def prefill_run(model, name: str, tokens: int, repeats: int = 2) -> PrefillRun:
     """Time a real forward over a `tokens`-token prompt into an empty cache (best of `repeats`, after one warm-up)."""
+    release_memory()
     _patch(model, name)
     cache = slot_cache_for(model, 1, tokens + 1)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
@@ -195,12 +198,13 @@ def prefill_run(model, name: str, tokens: int, repeats: int = 2) -> PrefillRun:
             cache.close(slot)
     finally:
         del cache
-        torch.cuda.empty_cache()
+        release_memory()
     return PrefillRun(name, tokens, best * 1e3, tokens / best)
 
 
 def bits_per_element(model, context: int) -> dict:
     """Bits per stored K/V element of one INT2 slot holding `context` tokens, from the allocator."""
+    release_memory()
     _patch(model, "int2")
     state = model.oscar
     torch.cuda.synchronize()
@@ -210,14 +214,20 @@ def bits_per_element(model, context: int) -> dict:
     allocated = torch.cuda.memory_allocated() - before
     elements = context * len(state.specs) * state.kv_heads * state.head_dim * 2
     del cache
-    torch.cuda.empty_cache()
+    release_memory()
     return {"context": context, "allocated_bytes": allocated, "elements": elements,
             "bits_per_element": 8 * allocated / elements, "group_size": state.quant.group_size}
 
 
+def release_memory() -> None:
+    """Give a deleted cache's memory back: its layers and the cache refer to each other (a cycle)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def largest_batch(model, name: str, context: int, margin_gib: float) -> int:
     """Sequences of `context` tokens whose cache fits in the free GPU memory less a margin (capped)."""
-    torch.cuda.empty_cache()
+    release_memory()
     free = torch.cuda.mem_get_info()[0] - int(margin_gib * 2**30)
     per_sequence = kv_bytes_per_sequence(model, context)[name]
     return max(0, min(BATCH_CAP, free // per_sequence))
@@ -242,8 +252,13 @@ def run(settings: Settings, progress=None) -> dict:
         runs = {}
         for name, batch in batches.items():
             say(f"{name} batch {batch} x {context} tokens")
-            runs[name] = asdict(decode_run(model, name, batch, context, settings.steps, weights, bandwidth)) \
-                if batch else None
+            try:
+                runs[name] = asdict(decode_run(model, name, batch, context, settings.steps, weights, bandwidth)) \
+                    if batch else None
+            except torch.OutOfMemoryError as exc:  # recorded, and the other runs go on
+                release_memory()
+                runs[name] = None
+                result["skipped"].append(f"{name} batch {batch} x {context}: out of GPU memory ({exc})"[:300])
         if all(runs.values()):
             runs["throughput_ratio"] = runs["int2"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
             runs["step_speedup"] = runs["bf16"]["step_ms"] / runs["int2"]["step_ms"]
