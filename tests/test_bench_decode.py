@@ -1,0 +1,58 @@
+"""`oscarkv bench decode`: the byte accounting behind its rooflines, its tables and plot, and its refusal
+without a GPU (the measurements themselves need a CUDA GPU; docs/decode.md has them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import oscarkv
+from oscarkv.benchmarks.decode import Settings, kv_bytes_per_sequence, kv_bytes_read, run, weight_bytes
+from oscarkv.cli import main
+from oscarkv.errors import OscarError
+from oscarkv.integrations.slots import DenseSlotCache, PagedSlotCache
+from tiny_models import tiny_model
+
+DATA = Path(__file__).parent.parent / "docs" / "data"
+
+
+def test_kv_bytes_per_sequence_equals_the_allocated_cache():
+    model = oscarkv.patch(tiny_model("llama", head_dim=64), method="hadamard")
+    state = model.oscar
+    context = 8000
+    pages = PagedSlotCache.pages_for_budget(state, 1, context, None)
+    cache = PagedSlotCache(state, 1, pages, context, torch.device("cpu"))
+    expected = kv_bytes_per_sequence(model, context)
+    assert expected["int2"] == cache.storage.nbytes()
+    dense = DenseSlotCache(len(state.specs), 1, context, kv_heads=state.kv_heads, head_dim=state.head_dim)
+    assert expected["bf16"] == dense.usage().bytes_total
+    # INT2 history: 2 bits + fp16 scale and zero per group of 64 -> 2.5 bits, BF16 16 bits; the BF16
+    # windows (64 sink + 320 ring tokens) bring the ratio down from 6.4.
+    assert 16 / 2.5 * 0.6 < expected["bf16"] / expected["int2"] < 16 / 2.5
+    # What a step reads at full length: the history pages in use plus the windows' stored tokens.
+    assert kv_bytes_read(cache, 1, context) <= expected["int2"]
+    assert kv_bytes_read(dense, 2, context) == 2 * expected["bf16"]
+
+
+def test_weight_bytes_counts_an_untied_input_embedding_out():
+    model = tiny_model("llama")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    assert weight_bytes(model) == params - (0 if tied else embed.numel() * embed.element_size())
+
+
+def test_tables_and_plot_from_saved_results(tmp_path, capsys):
+    saved = [str(DATA / "bench-decode-qwen3-4b.json"), str(DATA / "bench-decode-smollm2-135m.json")]
+    assert main(["bench", "decode", "--from-json", *saved, "--plot", str(tmp_path / "decode.png")]) == 0
+    out = capsys.readouterr().out
+    assert "equal KV memory" in out and "INT2/BF16 tok/s" in out and "bits per K/V element" in out
+    assert (tmp_path / "decode.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_bench_decode_without_gpu_says_so():
+    with pytest.raises(OscarError, match="CUDA GPU"):
+        run(Settings())
