@@ -24,18 +24,25 @@ from oscarkv.integrations.static_decode import StaticDecoder, forward_slots, gen
 from oscarkv.models import load_model
 
 
-def step_ms(model, prompt, new: int, graphs: bool) -> float:
-    total = prompt.shape[1] + new + 8
+def warm_decoder(model, prompt, steps: int, graphs: bool):
+    """(decoder, slots, last tokens): the prompt prefilled and a few steps decoded (kernels compiled),
+    with room left for `steps` more."""
+    total = prompt.shape[1] + steps + 8
     cache = slot_cache_for(model, prompt.shape[0], total)
     slots = [cache.open(total) for _ in range(prompt.shape[0])]
     with torch.inference_mode():
         first = forward_slots(model, cache, slots, prompt).argmax(-1)
         decoder = StaticDecoder(model, cache, graphs=graphs)
-        last = decoder.decode(slots, first, 4)[:, -1]  # compiles the kernels
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        decoder.decode(slots, last, new)
-        torch.cuda.synchronize()
+        last = decoder.decode(slots, first, 4)[:, -1]
+    torch.cuda.synchronize()
+    return decoder, slots, last
+
+
+def step_ms(model, prompt, new: int, graphs: bool) -> float:
+    decoder, slots, last = warm_decoder(model, prompt, new, graphs)
+    started = time.perf_counter()
+    decoder.decode(slots, last, new)
+    torch.cuda.synchronize()
     if graphs:
         replays, seconds = decoder.replay_timing
         return 1e3 * seconds / replays
@@ -47,17 +54,10 @@ def profile(model, prompt, steps: int = 8) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    total = prompt.shape[1] + steps + 8
-    cache = slot_cache_for(model, prompt.shape[0], total)
-    slots = [cache.open(total) for _ in range(prompt.shape[0])]
-    with torch.inference_mode():
-        first = forward_slots(model, cache, slots, prompt).argmax(-1)
-        decoder = StaticDecoder(model, cache, graphs=False)
-        last = decoder.decode(slots, first, 2)[:, -1]
+    decoder, slots, last = warm_decoder(model, prompt, steps, graphs=False)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder.decode(slots, last, steps)
         torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            decoder.decode(slots, last, steps)
-            torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), flush=True)
 
 

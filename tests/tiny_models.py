@@ -8,7 +8,7 @@ VOCAB = 128
 
 
 def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtype=torch.float32, seed: int = 0,
-               attention_scale: float = 1.0, value_scale: float = 1.0):
+               attention_scale: float = 1.0, value_scale: float = 1.0, layers: int | None = None):
     """A 2-4 layer model of `family` with random weights.
 
     bias_scale: adds Qwen2-like k/v biases: a large offset on a few channels of every KV head
@@ -21,6 +21,8 @@ def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtyp
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512)
+    if layers is not None:
+        common["num_hidden_layers"] = layers
     if family == "llama":
         config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif family == "mistral":

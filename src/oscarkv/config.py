@@ -15,6 +15,7 @@ from .errors import OscarError
 SCALE_DTYPES = (torch.float16, torch.float32)
 KEY_GROUPINGS = ("token", "channel")
 KERNELS = ("auto", "paged", "reference")
+HISTORY_FORMATS = ("int", "turboquant3")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class CacheConfig:
         tokens move to the history a whole group at a time, so the recent window holds
         `recent_tokens` to `recent_tokens + group_size - 1` tokens; reference cache only,
         no left padding.
+    history_format: "int" (INT2/INT4 codes per group with fp16 scale and zero: OSCAR and the INT
+        baselines) or "turboquant3" (vLLM's turboquant_3bit_nc codec, `oscarkv.quant.turboquant`;
+        reference cache only).
     static_decode: on CUDA, a patched model's `generate` runs plain greedy decoding of an unpadded
         batch through the static decode path (one CUDA graph per step; see
         `oscarkv.integrations.static_decode`); False keeps transformers' own loop.
@@ -95,6 +99,7 @@ class CacheConfig:
     max_context: int | None = None
     key_grouping: str = "token"
     static_decode: bool = True
+    history_format: str = "int"
 
     def __post_init__(self) -> None:
         if self.key_grouping not in KEY_GROUPINGS:
@@ -110,6 +115,8 @@ class CacheConfig:
             raise OscarError(f"window_dtype={self.window_dtype} must be a floating-point dtype.")
         if self.history_dtype is not None and not self.history_dtype.is_floating_point:
             raise OscarError(f"history_dtype={self.history_dtype} must be a floating-point dtype.")
+        if self.history_format not in HISTORY_FORMATS:
+            raise OscarError(f"history_format={self.history_format!r} must be one of {HISTORY_FORMATS}.")
         if self.kernel not in KERNELS:
             raise OscarError(f"kernel={self.kernel!r} must be one of {KERNELS}.")
         if self.max_context is not None and self.max_context < 1:

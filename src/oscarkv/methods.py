@@ -16,7 +16,7 @@ from .config import CacheConfig, QuantConfig
 from .errors import OscarError
 from .models import attention_shape, model_identity
 
-METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "kivi2", "int4", "fp8")
+METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "kivi2", "int4", "fp8", "turboquant3")
 # What `oscarkv serve` runs: the token-grouped INT methods on the paged cache, bf16 on the dense one.
 SERVE_METHODS = ("oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16")
 DESCRIPTIONS = {
@@ -29,7 +29,12 @@ DESCRIPTIONS = {
              "(group = --group-size, so the bits equal the other INT2 methods')",
     "int4": "Walsh-Hadamard rotation, INT4 history (per-token asymmetric groups, no clipping)",
     "fp8": "FP8 e4m3 history with unit scales (saturating at ±448), no rotation",
+    "turboquant3": "vLLM's turboquant_3bit_nc: Hadamard-rotated unit keys on 8 Lloyd-Max centroids + fp16 norm, "
+                   "3-bit per-token values; first 2 and last 2 layers uncompressed (~3.2-3.4 bits)",
 }
+
+
+BOUNDARY_LAYERS = 2  # turboquant3: the first and last layers vLLM keeps uncompressed
 
 
 def data_free_artifact(model, method: str, quant: QuantConfig) -> RotationArtifact:
@@ -74,6 +79,13 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
         for layer in artifact.layers:
             layer.choice = {"bits": 4, "clip_k": 0.0, "clip_v": 0.0}
         return MethodSetup(name, artifact, quant, cache)
+    if name == "turboquant3":
+        artifact = data_free_artifact(model, "identity", quant)
+        layers = len(artifact.layers)
+        for i, layer in enumerate(artifact.layers):  # vLLM's boundary protection of dense models
+            if i < BOUNDARY_LAYERS or i >= layers - BOUNDARY_LAYERS:
+                layer.choice = {"plain_history": True}
+        return MethodSetup(name, artifact, quant, replace(cache, history_format="turboquant3"))
     if name == "fp8":
         return MethodSetup(name, data_free_artifact(model, "identity", quant), quant,
                            replace(cache, quantize_history=False, history_dtype=torch.float8_e4m3fn))

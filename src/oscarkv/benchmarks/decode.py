@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import OscarError
-from ..integrations.paged import paged_layouts
 from ..integrations.slots import DenseSlotCache, PagedSlotCache
 from ..integrations.static_decode import StaticDecoder, forward_slots, slot_cache_for
 from ..kernels.ops import write_step
@@ -108,11 +107,8 @@ def kv_bytes_per_sequence(model, context: int) -> dict[str, int]:
             per_token = 2 * len(state.specs) * state.kv_heads * state.head_dim * state.cache.window_dtype.itemsize
             out[name] = context * per_token
         else:
-            layouts = paged_layouts(state.specs, state.cache, state.kv_heads, state.head_dim)
-            pages = layouts[0].pages_needed(context)
-            per_page = sum(x.kv_heads * x.page_size * x.history_bytes_per_token() for x in layouts)
-            windows = sum(2 * x.kv_heads * (x.sink_tokens + x.ring_capacity) * x.head_dim * 2 for x in layouts)
-            out[name] = pages * per_page + windows
+            per_page, windows = PagedSlotCache.slot_bytes(state)
+            out[name] = PagedSlotCache.pages_for_budget(state, 1, context, None) * per_page + windows
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..quant import turboquant
 from ..quant.format import QuantizedTensor, dequantize, quantize
 
 
@@ -174,3 +175,31 @@ class ChannelGroupedHistory(HistoryStore):
 
     def drop_front(self, n: int) -> None:
         super().drop_front(n // self.group_size)
+
+
+class TurboQuantHistory(HistoryStore):
+    """Keys or values in vLLM's TurboQuant 3-bit format (`oscarkv.quant.turboquant`): keys as
+    Hadamard-rotated unit vectors on 8 Lloyd-Max centroids plus an fp16 norm, values as 3-bit
+    per-token groups over all channels with fp16 scale and minimum. Stored packed, so `nbytes`
+    is what vLLM stores."""
+
+    def __init__(self, stream: str, plain_dtype: torch.dtype) -> None:
+        if stream not in ("keys", "values"):
+            raise ValueError(f"stream must be 'keys' or 'values', got {stream!r}")
+        super().__init__(False, 0, 0.0, torch.float16, plain_dtype)
+        self.stream = stream
+        self.parts = [_Growable(), _Growable()] if stream == "keys" else [_Growable(), _Growable(), _Growable()]
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return turboquant.encode_keys(x) if self.stream == "keys" else turboquant.encode_values(x)
+
+    def decode(self, stored: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        return turboquant.decode_keys(*stored, dtype) if self.stream == "keys" else \
+            turboquant.decode_values(*stored, dtype)
+
+    def append(self, x: torch.Tensor) -> None:
+        for part, tensor in zip(self.parts, self.encode(x)):
+            part.append(tensor)
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        return tuple(part.view() for part in self.parts)

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
-from .history import ChannelGroupedHistory, HistoryStore
+from .history import ChannelGroupedHistory, HistoryStore, TurboQuantHistory
 
 
 @dataclass
@@ -35,6 +35,7 @@ class LayerSpec:
     sliding_window: int | None = None
     k_mean: torch.Tensor | None = None  # [Hkv, d]: subtracted from every key before R_K (SPEC §6)
     bits: int = 2  # history code width: 2, or 4 on a fallback layer
+    plain_history: bool = False  # history kept in the window dtype (TurboQuant's boundary layers)
 
 
 class OscarLayer(DynamicLayer):
@@ -54,14 +55,19 @@ class OscarLayer(DynamicLayer):
         store_dtype = self.config.window_dtype
         history_dtype = self.config.history_dtype or store_dtype
         quant = self.spec.quant
-        if self.config.key_grouping == "channel" and self.config.quantize_history:
-            self.history_k = ChannelGroupedHistory(quant.group_size, quant.clip_ratio_k, quant.scale_dtype,
-                                                   history_dtype, self.spec.bits)
+        quantized = self.config.quantize_history and not self.spec.plain_history
+        if quantized and self.config.history_format == "turboquant3":
+            self.history_k = TurboQuantHistory("keys", history_dtype)
+            self.history_v = TurboQuantHistory("values", history_dtype)
         else:
-            self.history_k = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_k,
-                                          quant.scale_dtype, history_dtype, self.spec.bits)
-        self.history_v = HistoryStore(self.config.quantize_history, quant.group_size, quant.clip_ratio_v,
-                                      quant.scale_dtype, history_dtype, self.spec.bits)
+            if self.config.key_grouping == "channel" and quantized:
+                self.history_k = ChannelGroupedHistory(quant.group_size, quant.clip_ratio_k, quant.scale_dtype,
+                                                       history_dtype, self.spec.bits)
+            else:
+                self.history_k = HistoryStore(quantized, quant.group_size, quant.clip_ratio_k, quant.scale_dtype,
+                                              history_dtype, self.spec.bits)
+            self.history_v = HistoryStore(quantized, quant.group_size, quant.clip_ratio_v, quant.scale_dtype,
+                                          history_dtype, self.spec.bits)
         empty = key_states[:, :, :0].to(store_dtype)
         self.sink_k, self.sink_v = empty, empty.clone()
         self.tail_k, self.tail_v = empty.clone(), empty.clone()

@@ -85,15 +85,22 @@ class PagedSlotCache(PagedOscarCache):
         self.batch_slots: list[int] = []
 
     @staticmethod
-    def pages_for_budget(state: OscarState, max_slots: int, max_context: int, budget_bytes: int | None) -> int:
-        """Pages that fit in `budget_bytes` after the slots' windows; all slots at full length if None."""
+    def slot_bytes(state: OscarState) -> tuple[int, int]:
+        """(bytes of one page over all layers, bytes of one slot's sink and ring windows over all layers)."""
         layouts = paged_layouts(state.specs, state.cache, state.kv_heads, state.head_dim)
-        if budget_bytes is None:
-            return max(1, max_slots * layouts[0].pages_needed(max_context))
         per_page = sum(x.kv_heads * x.page_size * x.history_bytes_per_token() for x in layouts)
         window_bytes = state.cache.window_dtype.itemsize
-        windows = sum(2 * x.kv_heads * (x.sink_tokens + x.ring_capacity) * x.head_dim * window_bytes
-                      for x in layouts) * max_slots
+        windows = sum(2 * x.kv_heads * (x.sink_tokens + x.ring_capacity) * x.head_dim * window_bytes for x in layouts)
+        return per_page, windows
+
+    @staticmethod
+    def pages_for_budget(state: OscarState, max_slots: int, max_context: int, budget_bytes: int | None) -> int:
+        """Pages that fit in `budget_bytes` after the slots' windows; all slots at full length if None."""
+        if budget_bytes is None:
+            layout = paged_layouts(state.specs, state.cache, state.kv_heads, state.head_dim)[0]
+            return max(1, max_slots * layout.pages_needed(max_context))
+        per_page, windows = PagedSlotCache.slot_bytes(state)
+        windows *= max_slots
         pages = (budget_bytes - windows) // per_page
         if pages < 1:
             raise SlotError(f"a KV budget of {budget_bytes / 2**20:.0f} MiB does not cover the BF16 windows of "

@@ -20,7 +20,7 @@ goes to transformers' own loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import GenerationConfig
@@ -147,7 +147,8 @@ def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto") -
                              "CacheConfig(static_decode=False).")
         return DenseSlotCache(len(state.specs), batch, max_context, state.cache.window_dtype, state.kv_heads,
                               state.head_dim, device, backend)
-    state.uses_paged(device)  # raises, naming the reason, where the paged cache cannot take the model
+    replace(state, cache=replace(state.cache, kernel="paged")).uses_paged(device)  # raises, naming the reason,
+    # where the paged cache cannot take the model
     pages = PagedSlotCache.pages_for_budget(state, batch, max_context, None)
     return PagedSlotCache(state, batch, pages, max_context, device, backend)
 

@@ -54,6 +54,11 @@ class OscarState:
         kernel = self.cache.kernel
         if kernel == "reference" or (kernel == "auto" and not (device.type == "cuda" and triton_available())):
             return False
+        if self.cache.history_format != "int" or any(spec.plain_history for spec in self.specs):
+            if kernel == "paged":
+                raise OscarError("the paged cache stores INT2/INT4 codes only; use kernel='reference' for "
+                                 f"history_format={self.cache.history_format!r} (turboquant3).")
+            return False
         if self.cache.key_grouping != "token":
             if kernel == "paged":
                 raise OscarError("the paged cache groups keys per token; use kernel='reference' for "
@@ -209,6 +214,7 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
             sliding_window=shape.sliding_window if layer_type == "sliding_attention" else None,
             k_mean=layer.k_mean,
             bits=layer.bits,
+            plain_history=bool(choice.get("plain_history", False)),
         ))
     model.oscar = OscarState(artifact, quant, cache, specs, shape.num_kv_heads, shape.head_dim,
                              shape.max_positions or 32768)
