@@ -317,3 +317,27 @@ def test_short_load_test_over_loopback(served):
     assert report.ok, report.failures
     assert report.completed >= 6 and report.disconnected_on_purpose >= 1 and report.probes_sent >= 5
     assert report.pages_used_after == 0 and report.slots_used_after == 0
+
+
+@pytest.mark.parametrize("method", ["hadamard", "bf16"])
+def test_static_decode_steps_give_the_engine_the_same_tokens(method):
+    """DecodeGraphs (run eagerly here; replayed from CUDA graphs on a GPU) against the plain forward:
+    the same requests, admitted at different steps so the batch changes, give the same tokens."""
+    from oscarkv.integrations.static_decode import DecodeGraphs
+
+    outputs = []
+    for static in (False, True):
+        engine = _tiny_engine(method, cuda_graphs=False)
+        if static:
+            engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.config.max_seqs, graphs=False)
+        collectors = []
+        for i, n in enumerate((40, 90, 10)):
+            collectors.append(Collector())
+            engine.submit(_prompt(n, seed=i), SamplingParams(max_tokens=12 + 4 * i), collectors[-1])
+            engine.step()
+        _drain(engine)
+        outputs.append([("".join(e.text for e in c.events if e.kind == "token"), c.events[-1].completion_tokens)
+                        for c in collectors])
+        assert engine.cache.usage().slots_used == 0
+    assert outputs[0] == outputs[1]
+    assert [count for _, count in outputs[0]] == [12, 16, 20]

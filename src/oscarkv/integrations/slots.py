@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..cache.paged import PagedKVCache
+from ..cache.paged import PagedKVCache, StepBatch
 from ..errors import OscarError
 from ..kernels.ops import attend_dense
 from .paged import AttendingLayer, PagedOscarCache, causal_attention, paged_layouts
@@ -146,22 +146,39 @@ class PagedSlotCache(PagedOscarCache):
     def advance(self, new_tokens: int) -> None:
         """Nothing to do: the paged cache advances its lengths when layer 0 reserves the step."""
 
+    # ---- static steps (CUDA graphs; see oscarkv.integrations.static_decode) -------------------
+    def reserve_ahead(self, slots: list[int], steps: int) -> None:
+        """Reserve now the pages that `steps` more tokens of each slot will need."""
+        for slot in slots:
+            self.storage.reserve(slot, self.storage.lengths[slot] + steps)
+
+    def bind_step(self, slots: torch.Tensor, lengths: torch.Tensor, cu_new: torch.Tensor) -> None:
+        """Until `unbind_step`, every forward is one token per slot with this device metadata (int32
+        slots, stored lengths and [0..B] offsets), read by the kernels without host work."""
+        self.frozen = StepBatch(slots, cu_new, lengths, 1, self.storage.block_table)
+
+    def unbind_step(self) -> None:
+        self.frozen = None
+
+    def advance_slots(self, slots: list[int], tokens: int) -> None:
+        """Host-side lengths after static steps wrote `tokens` tokens to each slot."""
+        self.storage.advance(slots, [tokens] * len(slots))
+
     def freeze(self, steps: int) -> None:
-        """Fix the next `steps` one-token steps of the current batch so they can be captured in a CUDA
-        graph: their pages are reserved now, and every step reuses one StepBatch whose device lengths
-        `advance_on_device` moves. `thaw(steps)` afterwards brings the host lengths up to date."""
-        storage = self.storage
-        for slot in self.batch_slots:
-            storage.reserve(slot, storage.lengths[slot] + steps)
-        self.frozen = storage.metadata(self.batch_slots, [1] * len(self.batch_slots))
+        """Fix the next `steps` one-token steps of the current batch so they can be captured in one
+        CUDA graph: their pages are reserved now, and every step reuses one StepBatch whose device
+        lengths `advance_on_device` moves. `thaw(steps)` afterwards brings the host lengths up to date."""
+        self.reserve_ahead(self.batch_slots, steps)
+        step = self.storage.metadata(self.batch_slots, [1] * len(self.batch_slots))
+        self.bind_step(step.slots, step.lengths, step.cu_new)
 
     def advance_on_device(self) -> None:
         """End of a frozen step: every sequence of the batch holds one more token (no host work)."""
         self.frozen.lengths.add_(1)
 
     def thaw(self, steps_done: int) -> None:
-        self.frozen = None
-        self.storage.advance(self.batch_slots, [steps_done] * len(self.batch_slots))
+        self.unbind_step()
+        self.advance_slots(self.batch_slots, steps_done)
         self.set_batch(self.batch_slots)
 
     def usage(self) -> CacheUsage:
@@ -301,23 +318,36 @@ class DenseSlotCache(DynamicCache):
 
     def advance(self, new_tokens: int) -> None:
         """After a forward: every slot of the batch holds `new_tokens` more."""
-        for slot in self.batch_slots:
-            self.lengths[slot] += new_tokens
+        self.advance_slots(self.batch_slots, new_tokens)
 
-    def freeze(self, steps: int) -> None:
-        """See `PagedSlotCache.freeze`: here only a check, since every slot owns max_context positions."""
-        for slot in self.batch_slots:
+    # ---- static steps: as PagedSlotCache's; every slot owns max_context positions ---------------
+    def reserve_ahead(self, slots: list[int], steps: int) -> None:
+        for slot in slots:
             if self.lengths[slot] + steps > self.max_context:
                 raise SlotError(f"slot {slot} holds {self.lengths[slot]} tokens; {steps} more exceed its "
                                 f"max_context={self.max_context}.")
+
+    def bind_step(self, slots: torch.Tensor, lengths: torch.Tensor, cu_new: torch.Tensor | None = None) -> None:
         self.frozen = True
+        self.slots_on_device, self.starts_on_device = slots.long(), lengths.long()  # no copy when already int64
+
+    def unbind_step(self) -> None:
+        self.frozen = False
+
+    def advance_slots(self, slots: list[int], tokens: int) -> None:
+        for slot in slots:
+            self.lengths[slot] += tokens
+
+    def freeze(self, steps: int) -> None:
+        self.reserve_ahead(self.batch_slots, steps)
+        self.bind_step(self.slots_on_device, self.starts_on_device)
 
     def advance_on_device(self) -> None:
         self.starts_on_device.add_(1)
 
     def thaw(self, steps_done: int) -> None:
-        self.frozen = False
-        self.advance(steps_done)
+        self.unbind_step()
+        self.advance_slots(self.batch_slots, steps_done)
         self.set_batch(self.batch_slots)
 
     def usage(self) -> CacheUsage:

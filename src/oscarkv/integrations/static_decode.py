@@ -119,6 +119,74 @@ class StaticDecoder:
         self.cache.advance_on_device()
 
 
+class DecodeGraphs:
+    """One captured decode forward per batch size, for a server whose batch changes every step.
+
+    Before each step the host reserves the pages the step needs and writes its slots, stored
+    lengths, token ids and positions into static device buffers; the graph of that batch size
+    (captured at its first use) runs the forward and leaves the last-position logits in a static
+    buffer. The first step of each batch size runs eagerly, which compiles its kernels (a
+    compilation cannot happen inside a capture), and is then captured; the engine's `warm_up`
+    does this for every batch size before serving. graphs=False runs every step eagerly through
+    the same static buffers (the CPU tests check it against the plain forward).
+    """
+
+    def __init__(self, model, cache: SlotCache, max_batch: int, graphs: bool | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        as_int32 = dict(dtype=torch.int32, device=self.device)
+        self.slots = torch.zeros(max_batch, **as_int32)
+        self.lengths = torch.zeros(max_batch, **as_int32)
+        self.cu_new = torch.arange(max_batch + 1, **as_int32)
+        self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
+        self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # One memory pool for all batch sizes: their graphs never run at the same time, and each
+        # graph's output is copied out right after its replay.
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    @torch.inference_mode()
+    def logits(self, slots: list[int], last_tokens: list[int]) -> torch.Tensor:
+        """Append last_tokens[i] to slots[i] (one token each); last-position logits [B, V] float32."""
+        b = len(slots)
+        if not 0 < b <= self.slots.shape[0] or len(last_tokens) != b:
+            raise OscarError(f"a static decode step takes 1..{self.slots.shape[0]} slots with one token each; "
+                             f"got {b} slots and {len(last_tokens)} tokens.")
+        self.cache.reserve_ahead(slots, 1)
+        lengths = [self.cache.length(s) for s in slots]
+        host = torch.tensor([slots, lengths, last_tokens, lengths], dtype=torch.long)
+        self.slots[:b].copy_(host[0])
+        self.lengths[:b].copy_(host[1])
+        self.ids[:b, 0].copy_(host[2])
+        self.positions[:b, 0].copy_(host[3])
+        if b in self._captured:
+            graph, out = self._captured[b]
+            graph.replay()
+            result = out.float()
+        else:  # the first step of a batch size runs eagerly (compiling its kernels), then is captured
+            result = self._forward(b).float()
+            if self.graphs:
+                self._captured[b] = self._capture(b)
+        self.cache.advance_slots(slots, 1)
+        return result
+
+    def _forward(self, b: int) -> torch.Tensor:
+        self.cache.bind_step(self.slots[:b], self.lengths[:b], self.cu_new[:b + 1])
+        try:
+            return self.model(input_ids=self.ids[:b], position_ids=self.positions[:b], past_key_values=self.cache,
+                              use_cache=True, logits_to_keep=1).logits[:, -1]
+        finally:
+            self.cache.unbind_step()
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(b)  # recorded, not run
+        return graph, out
+
+
 @dataclass
 class _StepBuffers:
     """The device tensors a static step reads and advances."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import OscarError
-from ..integrations.static_decode import forward_slots
+from ..integrations.static_decode import DecodeGraphs, forward_slots
 
 log = logging.getLogger("oscarkv.serving")
 
@@ -62,12 +62,14 @@ class SamplingParams:
 class EngineConfig:
     """max_seqs: sequences decoded together; max_context: prompt + output tokens per request;
     prefill_chunk: prompt tokens per prefill forward; max_waiting: queued requests before
-    new ones get HTTP 503."""
+    new ones get HTTP 503; cuda_graphs: on CUDA, replay each decode step from a CUDA graph
+    captured per batch size (`DecodeGraphs`)."""
 
     max_seqs: int = 32
     max_context: int = 4096
     prefill_chunk: int = 512
     max_waiting: int = 256
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_context", "prefill_chunk", "max_waiting"):
@@ -143,6 +145,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._next_id = 0
         self.crashed: BaseException | None = None
+        self.graphs = DecodeGraphs(model, cache, config.max_seqs) \
+            if config.cuda_graphs and self.device.type == "cuda" else None
 
     # ---- from any thread -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Sequence:
@@ -210,7 +214,8 @@ class Engine:
         compiles one variant per split count, and the split count changes with the batch).
         Returns False, doing nothing, if the cache cannot hold the throw-away sequences."""
         m = self.config.max_seqs
-        need = [self.config.prefill_chunk + m] + [m] * (m - 1)
+        steps = 2 if self.graphs else 1  # with graphs, each batch size also runs (and captures) a static step
+        need = [self.config.prefill_chunk + steps * m] + [steps * m] * (m - 1)
         pages = sum(self.cache.units_for(t) for t in need)
         if self._running or self._waiting or need[0] > self.config.max_context or (
                 self.cache.capacity_units() and pages > self.cache.capacity_units()):
@@ -220,6 +225,8 @@ class Engine:
             self._forward(slots[:1], [[0] * self.config.prefill_chunk])
             for b in range(1, m + 1):
                 self._forward(slots[:b], [[0]] * b)
+                if self.graphs:  # captured now, after the eager step compiled its kernels
+                    self.graphs.logits(slots[:b], [0] * b)
         finally:
             for slot in slots:
                 self.cache.close(slot)
@@ -295,7 +302,8 @@ class Engine:
             self._accept(seq, self._sample(seq, logits[0]))
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        logits = self._forward([s.slot for s in seqs], [[s.generated[-1]] for s in seqs])
+        slots, last = [s.slot for s in seqs], [s.generated[-1] for s in seqs]
+        logits = self.graphs.logits(slots, last) if self.graphs else self._forward(slots, [[t] for t in last])
         for seq, row in zip(seqs, logits):
             self._accept(seq, self._sample(seq, row))
 
