@@ -8,6 +8,7 @@ greedy tokens of the timed steps must be equal between the two.
 """
 
 import argparse
+import gc
 import json
 import time
 
@@ -90,6 +91,7 @@ def main():
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
         del engine, model
+        gc.collect()  # the cache and its layers refer to each other
         torch.cuda.empty_cache()
 
 
