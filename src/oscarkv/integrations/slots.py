@@ -9,8 +9,13 @@ plug into the same attention function ("oscar", which calls the handle's `attend
   is admitted (for its prompt plus its max_tokens), so a running request never finds the
   pool empty mid-stream.
 - `DenseSlotCache`: the BF16 baseline, every slot a contiguous [Hkv, max_context, D] buffer
-  for K and for V, attended with torch SDPA. Same engine, same model, same scheduler: only
-  the cache differs.
+  for K and for V; decode steps on the GPU attend with the dense Triton kernel
+  (`attend_dense`), prompts with torch SDPA. Same engine, same model, same scheduler: only the
+  cache differs.
+
+Both also take static steps (`reserve_ahead`, `bind_step`, `advance_slots`, and `freeze` /
+`thaw` on top of them), whose metadata lives on the device so that a CUDA graph can replay
+them (`oscarkv.integrations.static_decode`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ SlotCache = PagedSlotCache | DenseSlotCache
 
 # Settings of a GenerationConfig that change what greedy decoding picks; generate() keeps
 # transformers' loop when any of them differs from the default.
-_GREEDY_CHANGERS = ("num_beams", "do_sample", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+_GREEDY_CHANGERS = ("num_beams", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
                     "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
                     "begin_suppress_tokens", "sequence_bias", "stop_strings", "num_return_sequences",
                     "exponential_decay_length_penalty", "encoder_repetition_penalty", "guidance_scale",
@@ -156,11 +156,11 @@ class DecodeGraphs:
                              f"got {b} slots and {len(last_tokens)} tokens.")
         self.cache.reserve_ahead(slots, 1)
         lengths = [self.cache.length(s) for s in slots]
-        host = torch.tensor([slots, lengths, last_tokens, lengths], dtype=torch.long)
+        host = torch.tensor([slots, lengths, last_tokens], dtype=torch.long)
         self.slots[:b].copy_(host[0])
         self.lengths[:b].copy_(host[1])
+        self.positions[:b, 0].copy_(host[1])  # the new token's position is the stored length
         self.ids[:b, 0].copy_(host[2])
-        self.positions[:b, 0].copy_(host[3])
         if b in self._captured:
             graph, out = self._captured[b]
             graph.replay()
@@ -288,7 +288,7 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
     default = GenerationConfig()
     for name in _GREEDY_CHANGERS:
         value = getattr(config, name, None)
-        if name != "do_sample" and value not in (None, False, getattr(default, name, None)):
+        if value not in (None, False, getattr(default, name, None)):
             return None
     if kwargs.get("do_sample", config.do_sample):
         return None
