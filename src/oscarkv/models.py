@@ -105,11 +105,7 @@ def model_identity(model: nn.Module) -> ModelIdentity:
     """Shapes plus a fingerprint of the k_proj weights of the first and last layer (unchanged by patching)."""
     shape = attention_shape(model)
     modules = attention_modules(model)
-    signature = []
-    for i in (0, shape.num_layers - 1):
-        weight = modules[i].k_proj.weight.detach().double().cpu()
-        probe = torch.randint(0, 2, (weight.shape[1],), generator=torch.Generator().manual_seed(1234)).double() * 2 - 1
-        signature += [round(float(x), 6) for x in (weight[:8] @ probe)]
+    signature = k_proj_signature([modules[i].k_proj.weight for i in (0, shape.num_layers - 1)])
     return ModelIdentity(
         model_type=text_config(model).model_type,
         num_layers=shape.num_layers,
@@ -117,8 +113,20 @@ def model_identity(model: nn.Module) -> ModelIdentity:
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         hidden_size=shape.hidden_size,
-        weight_signature=tuple(signature),
+        weight_signature=signature,
     )
+
+
+def k_proj_signature(weights: list[torch.Tensor]) -> tuple[float, ...]:
+    """The fingerprint of `ModelIdentity`: the first 8 rows of each k_proj weight (of the first
+    and the last layer) projected on a fixed ±1 vector. Serving engines that fuse q/k/v pass the
+    k rows of their fused weight."""
+    signature = []
+    for weight in weights:
+        weight = weight.detach().double().cpu()
+        probe = torch.randint(0, 2, (weight.shape[1],), generator=torch.Generator().manual_seed(1234)).double() * 2 - 1
+        signature += [round(float(x), 6) for x in (weight[:8] @ probe)]
+    return tuple(signature)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -117,15 +117,40 @@ def _block_rotate_rows(weight: torch.Tensor, rotation: torch.Tensor, blocks: int
     return torch.einsum("ed,hei->hdi", rotation, w).reshape(weight.shape)
 
 
+def value_transform_weights(v_weight: torch.Tensor, v_bias: torch.Tensor | None, o_weight: torch.Tensor,
+                            o_bias: torch.Tensor | None, rotation: torch.Tensor, mean: torch.Tensor | None,
+                            num_kv_heads: int, num_heads: int):
+    """R_V (and the centering μ_V) folded into the v and o projections, in float64.
+
+    v: W_v <- R_Vᵀ W_v per KV head, bias b <- (b - μ_V) R_V, so it emits (v - μ_V) R_V.
+    o: W_o[:, head h] <- W_o[:, h] R_V, bias += W_o · μ_V(h): the attention weights sum to 1,
+    so the output of every query head is shifted by exactly -μ_V R_V, which this bias undoes.
+    Returns (v_weight, v_bias, o_weight, o_bias); a bias is None only where it was None and no
+    centering needs it.
+    """
+    r = rotation.double().to(v_weight.device)
+    d = r.shape[0]
+    w_o = o_weight.double()
+    new_v_weight = _block_rotate_rows(v_weight, r, num_kv_heads)
+    new_o_weight = (w_o.reshape(w_o.shape[0], num_heads, d) @ r).reshape(w_o.shape)
+    if mean is not None:
+        mu = mean.double().to(v_weight.device)  # [Hkv, d]
+        base = torch.zeros(num_kv_heads, d, dtype=torch.float64, device=v_weight.device) if v_bias is None \
+            else v_bias.double().reshape(num_kv_heads, d)
+        v_bias = ((base - mu) @ r).reshape(-1)
+        per_query_head = mu.repeat_interleave(num_heads // num_kv_heads, dim=0).reshape(-1)
+        shift = w_o @ per_query_head
+        o_bias = shift if o_bias is None else o_bias.double() + shift
+    elif v_bias is not None:
+        v_bias = (v_bias.double().reshape(num_kv_heads, d) @ r).reshape(-1)
+    return new_v_weight, v_bias, new_o_weight, o_bias
+
+
 def absorb_value_transform(module: nn.Module, rotation: torch.Tensor, mean: torch.Tensor | None, num_kv_heads: int,
                            num_heads: int) -> None:
-    """Fold R_V (and the centering μ_V) into the weights of one attention layer.
-
-    v_proj: W_v <- R_Vᵀ W_v per KV head, bias b <- (b - μ_V) R_V, so it emits (v - μ_V) R_V.
-    o_proj: W_o[:, head h] <- W_o[:, h] R_V, bias += W_o · μ_V(h): the attention weights sum to 1,
-    so the output of every query head is shifted by exactly -μ_V R_V, which this bias undoes.
-    A missing bias is created; patching again always starts from the original weights.
-    """
+    """Fold R_V (and the centering μ_V) into the weights of one attention layer
+    (`value_transform_weights`). A missing bias is created; patching again always starts from the
+    original weights."""
     v_proj, o_proj = module.v_proj, module.o_proj
     if not hasattr(module, "_oscar_original"):
         module._oscar_original = {
@@ -134,27 +159,36 @@ def absorb_value_transform(module: nn.Module, rotation: torch.Tensor, mean: torc
                                  ("o_bias", o_proj.bias))
         }
     original = module._oscar_original
-    weight = v_proj.weight
-    r = rotation.double().to(weight.device)
-    d = r.shape[0]
-    w_o = original["o_weight"].double()
+    dtype = v_proj.weight.dtype
+    v_weight, v_bias, o_weight, o_bias = value_transform_weights(
+        original["v_weight"], original["v_bias"], original["o_weight"], original["o_bias"], rotation, mean,
+        num_kv_heads, num_heads)
     with torch.no_grad():
-        v_proj.weight.copy_(_block_rotate_rows(original["v_weight"], r, num_kv_heads))
-        o_proj.weight.copy_((w_o.reshape(w_o.shape[0], num_heads, d) @ r).reshape(w_o.shape))
-        v_bias = original["v_bias"]
-        o_bias = original["o_bias"]
-        if mean is not None:
-            mu = mean.double().to(weight.device)  # [Hkv, d]
-            base = torch.zeros(num_kv_heads, d, dtype=torch.float64, device=weight.device) if v_bias is None \
-                else v_bias.double().reshape(num_kv_heads, d)
-            v_bias = ((base - mu) @ r).reshape(-1)
-            per_query_head = mu.repeat_interleave(num_heads // num_kv_heads, dim=0).reshape(-1)
-            shift = w_o @ per_query_head
-            o_bias = shift if o_bias is None else o_bias.double() + shift
-        elif v_bias is not None:
-            v_bias = (v_bias.double().reshape(num_kv_heads, d) @ r).reshape(-1)
+        v_proj.weight.copy_(v_weight)
+        o_proj.weight.copy_(o_weight)
         for linear, bias in ((v_proj, v_bias), (o_proj, o_bias)):
-            linear.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
+            linear.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+
+def layer_specs(artifact: RotationArtifact, quant: QuantConfig, layer_types, sliding_window: int | None
+                ) -> list[LayerSpec]:
+    """The write spec of every layer: this layer's K rotation (None where the artifact chose the
+    identity), clip ratios, centering mean, code width and window."""
+    specs = []
+    for layer, layer_type in zip(artifact.layers, layer_types):
+        choice = layer.choice
+        layer_quant = replace(quant, clip_ratio_k=choice.get("clip_k", quant.clip_ratio_k),
+                              clip_ratio_v=choice.get("clip_v", quant.clip_ratio_v))
+        identity = choice.get("k_transform", artifact.method) == "identity"
+        specs.append(LayerSpec(
+            k_rotation=None if identity else layer.k_rotation,
+            quant=layer_quant,
+            sliding_window=sliding_window if layer_type == "sliding_attention" else None,
+            k_mean=layer.k_mean,
+            bits=layer.bits,
+            plain_history=bool(choice.get("plain_history", False)),
+        ))
+    return specs
 
 
 def _inject_cache(model: nn.Module, args, kwargs):
@@ -201,21 +235,9 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
     cache = cache or CacheConfig()
     shape = attention_shape(model)
     quant.check_head_dim(shape.head_dim)
-    specs = []
-    for module, layer, layer_type in zip(attention_modules(model), artifact.layers, shape.layer_types):
+    for module, layer in zip(attention_modules(model), artifact.layers):
         absorb_value_transform(module, layer.v_rotation, layer.v_mean, shape.num_kv_heads, shape.num_heads)
-        choice = layer.choice
-        layer_quant = replace(quant, clip_ratio_k=choice.get("clip_k", quant.clip_ratio_k),
-                              clip_ratio_v=choice.get("clip_v", quant.clip_ratio_v))
-        identity = choice.get("k_transform", artifact.method) == "identity"
-        specs.append(LayerSpec(
-            k_rotation=None if identity else layer.k_rotation,
-            quant=layer_quant,
-            sliding_window=shape.sliding_window if layer_type == "sliding_attention" else None,
-            k_mean=layer.k_mean,
-            bits=layer.bits,
-            plain_history=bool(choice.get("plain_history", False)),
-        ))
+    specs = layer_specs(artifact, quant, shape.layer_types, shape.sliding_window)
     model.oscar = OscarState(artifact, quant, cache, specs, shape.num_kv_heads, shape.head_dim,
                              shape.max_positions or 32768)
     register_attention()
