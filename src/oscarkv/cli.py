@@ -229,6 +229,14 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_model_dir(args) -> int:
+    """The local Hugging Face directory of MODEL (what `vllm` and other engines load)."""
+    from .models import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
 def cmd_info(args) -> int:
     from .calibration.artifact import RotationArtifact
 
@@ -491,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "during the first requests)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("model-dir", help="print a model's local Hugging Face directory (a GGUF is converted once), "
+                                         "e.g. to serve it with vLLM")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_model_dir)
 
     p = sub.add_parser("info", help="print an artifact's metadata")
     p.add_argument("rotations")
