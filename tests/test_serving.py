@@ -341,3 +341,32 @@ def test_static_decode_steps_give_the_engine_the_same_tokens(method):
         assert engine.cache.usage().slots_used == 0
     assert outputs[0] == outputs[1]
     assert [count for _, count in outputs[0]] == [12, 16, 20]
+
+
+@pytest_model
+def test_incremental_detokenization_equals_a_full_decode(smollm2):
+    """The engine decodes a window of tokens per step, not the whole output; the text it builds up
+    (and the final text of an unfinished multi-byte tail) equals decoding everything at once."""
+    from types import SimpleNamespace
+
+    from oscarkv.serving.engine import Engine, Sequence
+
+    _, tokenizer = smollm2
+    text = "Grüße aus Köln — 東京で会いましょう 🙂🚀. Leading  spaces,\ttabs\nand newlines; ok."
+    ids = tokenizer(text).input_ids
+    host = SimpleNamespace(tokenizer=tokenizer)
+    seq = Sequence(0, [1], SamplingParams(len(ids)), lambda event: None)
+    sent = ""
+    for i, token in enumerate(ids):
+        seq.generated.append(token)
+        current = Engine._text(host, seq, final=i == len(ids) - 1)
+        assert current.startswith(sent)  # text only grows
+        sent = current
+    assert sent == tokenizer.decode(ids, skip_special_tokens=True)
+    # An output cut inside a multi-byte character: the final text keeps the complete characters.
+    cut = tokenizer("🙂🚀").input_ids
+    seq = Sequence(1, [1], SamplingParams(len(cut)), lambda event: None)
+    for token in cut[:-1]:
+        seq.generated.append(token)
+    final = Engine._text(host, seq, final=True)
+    assert final == tokenizer.decode(cut[:-1], skip_special_tokens=True).rstrip("\ufffd")

@@ -101,6 +101,9 @@ class Sequence:
     slot: int = -1
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
+    text: str = ""  # the text of `generated` up to read_offset (decoded incrementally)
+    prefix_offset: int = 0  # tokens [prefix_offset, read_offset) give the context of the next decode
+    read_offset: int = 0
     text_sent: int = 0
     cancelled: bool = False
     finished: bool = False
@@ -304,8 +307,9 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> None:
         slots, last = [s.slot for s in seqs], [s.generated[-1] for s in seqs]
         logits = self.graphs.logits(slots, last) if self.graphs else self._forward(slots, [[t] for t in last])
-        for seq, row in zip(seqs, logits):
-            self._accept(seq, self._sample(seq, row))
+        greedy = logits.argmax(-1).tolist()  # one kernel and one sync for the batch, not one per request
+        for seq, row, best in zip(seqs, logits, greedy):
+            self._accept(seq, best if seq.params.temperature <= 0 else self._sample(seq, row))
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
@@ -324,10 +328,10 @@ class Engine:
             return
         self.counters.generated_tokens += 1
         if token in self.eos_ids and not seq.params.ignore_eos:
-            self._finish(seq, "stop", final_text=self._text(seq))
+            self._finish(seq, "stop", final_text=self._text(seq, final=True))
             return
         seq.generated.append(token)
-        text = self._text(seq)
+        text = self._text(seq, final=len(seq.generated) >= seq.params.max_tokens)
         for stop in seq.params.stop:
             at = text.find(stop, max(0, seq.text_sent - len(stop)))
             if at >= 0:
@@ -345,8 +349,20 @@ class Engine:
             seq.emit(Event("token", text[seq.text_sent:ready]))
             seq.text_sent = ready
 
-    def _text(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+    def _text(self, seq: Sequence, final: bool = False) -> str:
+        """The text of seq.generated so far, decoded incrementally: each call decodes the few tokens
+        since the last complete character, with the tokens before them as context (so leading
+        spaces and multi-byte characters come out as in a full decode), not the whole list. A final
+        call also returns the complete characters of an unfinished tail."""
+        tokens = seq.generated
+        context = self.tokenizer.decode(tokens[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+        window = self.tokenizer.decode(tokens[seq.prefix_offset:], skip_special_tokens=True)
+        if len(window) > len(context) and not window.endswith("\ufffd"):
+            seq.text += window[len(context):]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
+        elif final and len(window) > len(context):
+            return seq.text + window[len(context):].rstrip("\ufffd")
+        return seq.text
 
     def _finish(self, seq: Sequence, reason: str, final_text: str) -> None:
         rest = final_text[seq.text_sent:] if len(final_text) > seq.text_sent else ""
