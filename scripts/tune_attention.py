@@ -15,7 +15,7 @@ import torch
 
 from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
 from oscarkv.kernels import reference
-from oscarkv.kernels.ops import choose_splits
+from oscarkv.kernels.ops import choose_splits, window_split_count
 from oscarkv.kernels.triton_attention import launch_attention
 
 
@@ -33,35 +33,37 @@ def main() -> None:
         nbytes = decode_bytes(case, context)
         scale = 128 ** -0.5
         expected = reference.attention_reference(layer, step, q, k, v, scale)
-        base_splits = choose_splits(layer, batch, 1, 32, context, q.device)
-        split_options = sorted({base_splits, base_splits * 2})
-        grid = itertools.product((32, 64), (1, 2), (1, 2), split_options)
+        chosen = choose_splits(layer, batch, 1, 32, context, q.device)
+        split_options = sorted({chosen, max(2, chosen // 2)})
+        grid = itertools.product((None, 168, 128), (2, 3), split_options)
         if args.quick:
-            grid = itertools.product((64,), (4,), (2,), (base_splits,))
+            grid = itertools.product((None,), (2,), split_options[:1])
         results = []
-        for block_n, warps, stages, splits in grid:
+        for maxnreg, stages, splits in grid:
+            separate, warps = True, 1
             out = torch.empty_like(q)
             ws = (torch.empty(batch, 32, splits, 128, dtype=torch.float32, device=q.device),
                   torch.empty(batch, 32, splits, dtype=torch.float32, device=q.device))
 
-            def fn(block_n=block_n, warps=warps, stages=stages, splits=splits, out=out, ws=ws):
-                launch_attention(layer, step, q, k, v, out, scale, 0, splits, ws, block_n=block_n,
-                                 num_warps=warps, num_stages=stages)
+            def fn(separate=separate, warps=warps, stages=stages, splits=splits, out=out, ws=ws, maxnreg=maxnreg):
+                launch_attention(layer, step, q, k, v, out, scale, 0, splits, ws, separate_windows=separate,
+                                 num_warps=warps, num_stages=stages, maxnreg=maxnreg,
+                                 window_splits=window_split_count(layer, batch, 1, 32, splits, q.device))
 
             try:
                 fn()
                 err = (out.float() - expected).abs().max().item()
                 us = _time_us(fn)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"{shape} n{block_n} w{warps} s{stages} sp{splits}: failed {type(exc).__name__}: {exc}"[:200])
+                print(f"{shape} r{maxnreg} s{stages} sp{splits}: failed {type(exc).__name__}: {exc}"[:200])
                 continue
             gbs = nbytes / us / 1e3
-            results.append((us, block_n, warps, stages, splits, err))
-            print(f"{shape} n{block_n} w{warps} s{stages} sp{splits}: {us:8.1f} us {gbs:7.0f} GB/s "
+            results.append((us, maxnreg or 0, warps, stages, splits, err))
+            print(f"{shape} r{maxnreg} s{stages} sp{splits}: {us:8.1f} us {gbs:7.0f} GB/s "
                   f"{gbs / copy:5.1%} err {err:.1e}", flush=True)
         best = min(results)
         print(f"BEST {shape}: {best[0]:.1f} us ({nbytes / best[0] / 1e3 / copy:.1%} of copy) "
-              f"block_n={best[1]} warps={best[2]} stages={best[3]} splits={best[4]} err={best[5]:.1e}")
+              f"maxnreg={best[1]} warps={best[2]} stages={best[3]} splits={best[4]} err={best[5]:.1e}")
         del case, layer, step
         torch.cuda.empty_cache()
 

@@ -28,13 +28,14 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
-           num_splits: int | None = None, **run_options) -> None:
+           num_splits: int | None = None, window_splits: int | None = None, **run_options) -> None:
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
     torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
     g = torch.Generator().manual_seed(7)
     for new_tokens in steps:
         q, k, v = random_step(layout, query_heads, new_tokens, g, dtype=dtype, device=DEVICE)
-        out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits)
+        out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
+                                               window_splits=window_splits)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
         # Rotated keys: float32 rotation then one rounding to BF16; the summation order may
         # flip the last bit of a rare element.
@@ -82,9 +83,19 @@ def test_no_clipping():
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_sequence_splits_and_sliding_window(num_splits):
-    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
+@pytest.mark.parametrize("head_dim", [64, 128])  # the byte-quarter and the sliced history paths
+def test_sequence_splits_and_sliding_window(num_splits, head_dim):
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=64, **SMALL)
     _drive(layout, 4, [[130, 20], [1, 1]], num_splits=num_splits, window=40 if num_splits == 2 else 0)
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_decode_windows_shared_by_several_splits(window):
+    """Small-batch decode: the sink, the ring's 2-3 blocks of 64 and the step's token spread over 3
+    window splits (every 3rd ring block; sink to the first, the new token to the last), history
+    over 4."""
+    layout = PagedLayout(kv_heads=1, head_dim=128, group_size=128, page_size=16, sink_tokens=16, recent_tokens=128)
+    _drive(layout, 4, [[300, 220], [1, 1], [1, 1]], num_splits=7, window_splits=3, window=window)
 
 
 def test_flush_moves_aged_ring_tokens_a_page_at_a_time():

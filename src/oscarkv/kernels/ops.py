@@ -126,22 +126,60 @@ def split_count(programs: int, tokens: int, device: torch.device) -> int:
     return max(2, min(wanted, by_length) + 1)
 
 
-def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
-                  device: torch.device) -> int:
-    """`split_count` for the INT2 kernel, whose programs also own blocks of 16 query rows."""
+MAX_HISTORY_SPLITS = 128
+
+
+def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int) -> tuple[int, int]:
     lay = layer.layout
     m_blocks = -(-max_new * (query_heads // lay.kv_heads) // 16)
-    return split_count(batch_size * lay.kv_heads * m_blocks, max_context - lay.sink_tokens, device)
+    return m_blocks, batch_size * lay.kv_heads * m_blocks
+
+
+def _window_splits(programs: int, history_splits: int, sms: int) -> int:
+    """4 window splits when the window programs alone would leave most of the GPU idle (small
+    batches at long context), else 1. One window program walks ~6 blocks of the sink and ring one
+    after another: 11 µs on the H100, as long as the whole history at 8K."""
+    return 4 if programs < sms and history_splits >= 8 else 1
+
+
+def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
+                  device: torch.device) -> int:
+    """Splits of the INT2 kernel's grid (history splits + window splits; see the kernel).
+
+    Decode: the history of each (sequence, KV head) is split so that the one-warp programs fill the
+    GPU about 16 times over, with at most 128 splits and at least one page each: a single one-warp
+    program reads only about one page per 3 µs (a serial chain of loads and dots), so short splits
+    are what makes batch 1 fast (measured on the H100 with scripts/tune_attention.py). Prefill and
+    extend keep `split_count`."""
+    m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
+    tokens = max_context - layer.layout.sink_tokens
+    if m_blocks > 1:
+        return split_count(programs, tokens, device)
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+    history = 1 if programs >= 8 * sms else max(1, min(-(-16 * sms // programs), tokens // 64, MAX_HISTORY_SPLITS))
+    return history + _window_splits(programs, history, sms)
+
+
+def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
+                       device: torch.device) -> int:
+    """The window splits among `num_splits` (the inverse of `choose_splits`' choice)."""
+    m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
+    if m_blocks > 1:
+        return 1
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+    return _window_splits(programs, num_splits - 4, sms)
 
 
 def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
                 scale: float, window: int = 0, backend: str = "auto", num_splits: int | None = None,
                 max_context: int | None = None, out: torch.Tensor | None = None,
-                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True) -> torch.Tensor:
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
+                window_splits: int | None = None) -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] (rotated by R_K) over the cache and the step itself.
 
     k_rot, v: [T, Hkv, D] from `write_step` (call it first). Returns [T, Hq, D] in q.dtype.
     num_splits / out / workspace: fix them (with validate=False) for a CUDA-graph-captured step.
+    window_splits: how many of the splits share the BF16 windows (None: `window_split_count`).
     """
     lay = layer.layout
     _check_inputs(layer, batch, ("q", q, None), ("k_rot", k_rot, lay.kv_heads), ("v", v, lay.kv_heads))
@@ -160,7 +198,9 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     if num_splits > 1 and workspace is None:
         workspace = (torch.empty(q.shape[0], q.shape[1], num_splits, q.shape[2], dtype=torch.float32, device=q.device),
                      torch.empty(q.shape[0], q.shape[1], num_splits, dtype=torch.float32, device=q.device))
-    launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace)
+    if window_splits is None:
+        window_splits = window_split_count(layer, batch.batch, batch.max_new, q.shape[1], num_splits, q.device)
+    launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=window_splits)
     return out
 
 

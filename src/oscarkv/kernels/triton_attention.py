@@ -5,19 +5,23 @@ new tokens); `oscarkv.kernels.reference.attention_reference` is what it computes
 
 Work split. A program owns one (sequence, KV head), a block of query rows and one split
 of the sequence. Query rows are (new token, query head of the GQA group) pairs, so every
-history page is loaded once for all query heads that share it. Splits 0..N-2 each take
-an equal share of the INT2/INT4 history; the last split takes the sink, the stored ring
-tokens and the step's own new tokens (causal). With N > 1 each split writes its partial
-output and log-sum-exp, and `_combine_kernel` merges them (flash-decoding); with N = 1
-one program does everything and writes the output directly (prefill).
+history page is loaded once for all query heads that share it. With N > 1 splits, the first
+WS splits share the BF16 windows (sink, stored ring tokens, the step's own tokens, causal)
+and the other N - WS share the INT2/INT4 history; each writes its partial output and
+log-sum-exp, and `_combine_kernel` merges them (flash-decoding). Decode launches the history
+splits and the window splits separately, so that the history programs (one warp each) keep a
+small register footprint. With N = 1 one program does everything and writes the output
+directly (prefill).
 
-Dequantization costs no conversion instructions. The codes of a (page, KV head) are one
-contiguous run of bytes; each code c becomes the float16 with the same bits, c·2^-24 (an exact
-subnormal), with a shift and a mask. The dots run on those raw codes with float16
-queries/probabilities and float32 accumulation, and each token's scale s and zero z are
-applied to the small score tile (s·2^24·(q·c) - s·z·Σq) and folded into the probabilities
-for the values (Σ p·s·c·2^24 - Σ p·s·z), never to the [tokens, D] tiles. The online
-softmax works in base 2 with the softmax scale folded into the queries.
+Dequantization costs no conversion instructions: each code c becomes a float16 with the same
+bits (an exact subnormal), and the dots run on those raw codes with float16
+queries/probabilities and float32 accumulation. Each token's scale s and zero z are applied
+to the small score tile (s·2^24·(q·c) - s·z·Σq) and folded into the probabilities for the
+values (Σ p·s·c·2^24 - Σ p·s·z), never to the [tokens, D] tiles. For D >= 128 the history
+is read as int16 words and split into eight "slices" with one 32-bit AND per pair of words
+(see the comment above `_slice_layout`); D = 64 reads bytes as four quarters
+(`_page_codes`). The online softmax works in base 2 with the softmax scale folded into the
+queries.
 """
 
 from __future__ import annotations
@@ -99,6 +103,241 @@ def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, 
         d = tl.dot(q3, tl.trans(k3), tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1), d)))
         s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1 + qs2 + qs3)
     return s
+
+
+# Sliced history path (D >= 128). The codes of a history row, read as int16 words, hold 8
+# "slices" of D/8 channels each (INT2: one slice per 2-bit field of the word; INT4: 4 fields
+# of each half of the row). A slice is extracted from a [P, D/8] word tile with one AND (and,
+# for the high byte, one shift shared by its slices), and read as float16 with the same
+# bits: c·mult·2^-24, an exact subnormal, where mult = 2^(field's bit offset) is folded into
+# the query (scores) or divided out of the accumulator (values). Because the word and the
+# float16 have the same width, each pair of adjacent words in a thread's mma fragment
+# becomes a pair of float16 with one 32-bit instruction: no byte permutes, and the multipliers
+# stay <= 64 so that the scaled queries stay normal float16 numbers. Slice s covers channels 2u + parity(s) + offset(s), u < D/8.
+
+
+@triton.jit
+def _slice_layout(s: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """(channel offset, parity, multiplier) of slice s; see the comment above."""
+    if BITS == 2:
+        offset: tl.constexpr = (s % 4) * (D // 4)
+        parity: tl.constexpr = s // 4
+        mult: tl.constexpr = 4 ** (s % 4)
+    else:
+        offset: tl.constexpr = (s // 4) * (D // 4) + (s % 2) * (D // 2)
+        parity: tl.constexpr = (s % 4) // 2
+        mult: tl.constexpr = 16 if s % 2 == 1 else 1
+    return offset, parity, mult
+
+
+@triton.jit
+def _masked_units(w, MASK: tl.constexpr, ASM: tl.constexpr):
+    """(w & MASK) of int16 words, read as float16 with the same bits. ASM: one 32-bit AND per pair
+    of words (the compiler otherwise masks each 16-bit half and re-packs them with byte permutes);
+    the CPU interpreter, which has no inline assembly, takes the plain expression."""
+    if ASM:
+        mask = tl.full(w.shape, MASK, tl.int16)
+        return tl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [w, mask], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    else:
+        return (w & MASK).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _high_bytes(w, ASM: tl.constexpr):
+    """w >> 8 of int16 words; only the low 8 bits of the result are used (see `_slice_codes`)."""
+    if ASM:
+        return tl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [w], dtype=tl.int16, is_pure=True, pack=2)
+    else:
+        return w >> 8
+
+
+@triton.jit
+def _slice_codes(w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Slice s as float16 units, from the word tiles w0 (words [0, D/8)) and w1 (INT4: [D/8, D/4))
+    and their high bytes h0, h1 (`_high_bytes`)."""
+    if BITS == 2:
+        return _masked_units(w0 if s < 4 else h0, 3 << (2 * (s % 4)), ASM)
+    else:
+        if s % 4 >= 2:
+            w = h0 if s < 4 else h1
+        else:
+            w = w0 if s < 4 else w1
+        return _masked_units(w, 240 if s % 2 == 1 else 15, ASM)
+
+
+@triton.jit
+def _page_words(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Word tiles [P, D/8] int16 of one (page, KV head) from row `row0`: w0 and, for INT4, w1,
+    and their high bytes (see `_slice_codes`)."""
+    U: tl.constexpr = D // 8
+    NW: tl.constexpr = D * BITS // 16
+    src = codes_ptr.to(tl.pointer_type(tl.int16)) + row0 * NW + (tl.arange(0, P) * NW)[:, None] + \
+        tl.arange(0, U)[None, :]
+    w0 = tl.load(src)
+    w1 = tl.load(src + U) if BITS == 4 else w0
+    return w0, w1, _high_bytes(w0, ASM), _high_bytes(w1, ASM) if BITS == 4 else w0
+
+
+@triton.jit
+def _add_to_group(d0, d1, d2, d3, x, s: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
+    """Adds x to d_g, g the group of slice s's channels."""
+    if BITS == 2:
+        g: tl.constexpr = (s % 4) * NG // 4
+    else:
+        g: tl.constexpr = ((s // 4) + (s % 2) * 2) * NG // 4
+    if g == 0:
+        d0 += x
+    elif g == 1:
+        d1 += x
+    elif g == 2:
+        d2 += x
+    else:
+        d3 += x
+    return d0, d1, d2, d3
+
+
+@triton.jit
+def _query_slice(q_ptr, q_row, row_valid, qk_scale, s: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Query channels of slice s, scaled and divided by the slice's multiplier, as float16, and the
+    row sums of the float16 query times the multiplier (exact: powers of two)."""
+    offset, parity, mult = _slice_layout(s, D, BITS)
+    cols = 2 * tl.arange(0, D // 8) + parity + offset
+    q = tl.load(q_ptr + q_row[:, None] * D + cols[None, :], mask=row_valid[:, None], other=0.0)
+    q = (q.to(tl.float32) * (qk_scale / mult)).to(tl.float16)
+    return q, tl.sum(q.to(tl.float32), 1) * mult
+
+
+@triton.jit
+def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qsum0, qsum1, qsum2, qsum3, w0, w1, h0, h1,
+                   ks_ptr, kz_ptr, row0, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                   ASM: tl.constexpr):
+    """[BLOCK_M, P] float32 scores against one page of quantized keys (sliced path)."""
+    if NG == 1:
+        d = tl.dot(qs0, tl.trans(_slice_codes(w0, w1, h0, h1, 0, BITS, ASM)))
+        d = tl.dot(qs1, tl.trans(_slice_codes(w0, w1, h0, h1, 1, BITS, ASM)), d)
+        d = tl.dot(qs2, tl.trans(_slice_codes(w0, w1, h0, h1, 2, BITS, ASM)), d)
+        d = tl.dot(qs3, tl.trans(_slice_codes(w0, w1, h0, h1, 3, BITS, ASM)), d)
+        d = tl.dot(qs4, tl.trans(_slice_codes(w0, w1, h0, h1, 4, BITS, ASM)), d)
+        d = tl.dot(qs5, tl.trans(_slice_codes(w0, w1, h0, h1, 5, BITS, ASM)), d)
+        d = tl.dot(qs6, tl.trans(_slice_codes(w0, w1, h0, h1, 6, BITS, ASM)), d)
+        d = tl.dot(qs7, tl.trans(_slice_codes(w0, w1, h0, h1, 7, BITS, ASM)), d)
+        return _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0)
+    else:
+        d0 = tl.zeros([qs0.shape[0], P], tl.float32)
+        d1 = tl.zeros([qs0.shape[0], P], tl.float32)
+        d2 = tl.zeros([qs0.shape[0], P], tl.float32)
+        d3 = tl.zeros([qs0.shape[0], P], tl.float32)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs0, tl.trans(_slice_codes(w0, w1, h0, h1, 0, BITS, ASM))),
+                                       0, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs1, tl.trans(_slice_codes(w0, w1, h0, h1, 1, BITS, ASM))),
+                                       1, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs2, tl.trans(_slice_codes(w0, w1, h0, h1, 2, BITS, ASM))),
+                                       2, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs3, tl.trans(_slice_codes(w0, w1, h0, h1, 3, BITS, ASM))),
+                                       3, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs4, tl.trans(_slice_codes(w0, w1, h0, h1, 4, BITS, ASM))),
+                                       4, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs5, tl.trans(_slice_codes(w0, w1, h0, h1, 5, BITS, ASM))),
+                                       5, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs6, tl.trans(_slice_codes(w0, w1, h0, h1, 6, BITS, ASM))),
+                                       6, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs7, tl.trans(_slice_codes(w0, w1, h0, h1, 7, BITS, ASM))),
+                                       7, D, NG, BITS)
+        s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0)
+        s += _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1)
+        if NG == 4:
+            s += _group_scores(d2, ks_ptr, kz_ptr, row0, 2, NG, P, qsum2)
+            s += _group_scores(d3, ks_ptr, kz_ptr, row0, 3, NG, P, qsum3)
+        return s
+
+
+@triton.jit
+def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, acc, alpha, v0, v1, vh0, vh1,
+                   D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """acc·alpha + (weights of slice s's group) · (value codes of slice s)."""
+    if BITS == 2:
+        g: tl.constexpr = (s % 4) * NG // 4
+    else:
+        g: tl.constexpr = ((s // 4) + (s % 2) * 2) * NG // 4
+    if g == 0:
+        weight = wz0
+    elif g == 1:
+        weight = wz1
+    elif g == 2:
+        weight = wz2
+    else:
+        weight = wz3
+    return tl.dot(weight, _slice_codes(v0, v1, vh0, vh1, s, BITS, ASM), acc * alpha[:, None])
+
+
+@triton.jit
+def _sliced_history_step(s, visible, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+                         vc_ptr, vs_ptr, vz_ptr, row0, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+                         BITS: tl.constexpr, ASM: tl.constexpr):
+    """Online-softmax step over one page of quantized values (sliced path). acc_s holds
+    Σ p·s·c·mult_s in units of 2^-24 and z_g holds Σ p·s·z of group g."""
+    m_new, p, alpha, l = _softmax_weights(s, visible, m, l)
+    v0, v1, vh0, vh1 = _page_words(vc_ptr, row0, P, D, BITS, ASM)
+    w0, z0 = _weighted_codes(p, alpha, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
+    w1, w2, w3 = w0, w0, w0
+    if NG >= 2:
+        w1, z1 = _weighted_codes(p, alpha, z1, vs_ptr, vz_ptr, row0, 1, NG, P)
+    if NG == 4:
+        w2, z2 = _weighted_codes(p, alpha, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
+        w3, z3 = _weighted_codes(p, alpha, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
+    acc0 = _sliced_values(0, w0, w1, w2, w3, acc0, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc1 = _sliced_values(1, w0, w1, w2, w3, acc1, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc2 = _sliced_values(2, w0, w1, w2, w3, acc2, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc3 = _sliced_values(3, w0, w1, w2, w3, acc3, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc4 = _sliced_values(4, w0, w1, w2, w3, acc4, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc5 = _sliced_values(5, w0, w1, w2, w3, acc5, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc6 = _sliced_values(6, w0, w1, w2, w3, acc6, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc7 = _sliced_values(7, w0, w1, w2, w3, acc7, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    return m_new, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
+
+
+@triton.jit
+def _slice_output(acc, s: tl.constexpr, z0, z1, z2, z3, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
+    """Slice s of the output in plain units: acc·2^24/mult - Σ p·s·z of its group."""
+    offset, parity, mult = _slice_layout(s, D, BITS)
+    if BITS == 2:
+        g: tl.constexpr = (s % 4) * NG // 4
+    else:
+        g: tl.constexpr = ((s // 4) + (s % 2) * 2) * NG // 4
+    if g == 0:
+        z = z0
+    elif g == 1:
+        z = z1
+    elif g == 2:
+        z = z2
+    else:
+        z = z3
+    return acc * (UNIT_INV / mult) - z[:, None]
+
+
+@triton.jit
+def _interleave(even, odd):
+    """[M, U] even and odd channels -> [M, 2U] in channel order."""
+    return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * even.shape[1]))
+
+
+@triton.jit
+def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+                     D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
+    """The eight slice accumulators as the four output quarters [M, D/4] (plain units)."""
+    o0 = _slice_output(acc0, 0, z0, z1, z2, z3, D, NG, BITS)
+    o1 = _slice_output(acc1, 1, z0, z1, z2, z3, D, NG, BITS)
+    o2 = _slice_output(acc2, 2, z0, z1, z2, z3, D, NG, BITS)
+    o3 = _slice_output(acc3, 3, z0, z1, z2, z3, D, NG, BITS)
+    o4 = _slice_output(acc4, 4, z0, z1, z2, z3, D, NG, BITS)
+    o5 = _slice_output(acc5, 5, z0, z1, z2, z3, D, NG, BITS)
+    o6 = _slice_output(acc6, 6, z0, z1, z2, z3, D, NG, BITS)
+    o7 = _slice_output(acc7, 7, z0, z1, z2, z3, D, NG, BITS)
+    if BITS == 2:  # slice s: quarter s % 4, parity s // 4
+        return _interleave(o0, o4), _interleave(o1, o5), _interleave(o2, o6), _interleave(o3, o7)
+    else:  # slice s = 4c + p: quarter c + 2·(p % 2), parity p // 2
+        return _interleave(o0, o2), _interleave(o4, o6), _interleave(o1, o3), _interleave(o5, o7)
 
 
 @triton.jit
@@ -208,15 +447,24 @@ def _paged_attention_kernel(
         qk_scale, window,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
         P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
+        REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1):
+    """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
+    block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
+    WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
+    (a grid of N - WS); 2: only the window splits (a grid of WS)."""
     pid = tl.program_id(0)
     m_block = tl.program_id(1)
-    split = tl.program_id(2)
+    WS: tl.constexpr = WINDOW_SPLITS
+    split = tl.program_id(2) + (WS if REGIONS == 1 else 0)
+    history_split = split - WS if NUM_SPLITS > 1 else 0
+    has_history = (split >= WS or NUM_SPLITS == 1) and REGIONS != 2
     b = pid // HKV
     h = pid % HKV
     G: tl.constexpr = HQ // HKV
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
+    SLICED: tl.constexpr = D >= 128  # the sliced history path needs D/8 >= 16 (the smallest dot)
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     if m_block * BLOCK_M >= count * G:
         return
@@ -241,8 +489,66 @@ def _paged_attention_kernel(
 
     end_new = _history_end(old + count, S, R, P)
     history_pages = tl.maximum(tl.minimum(old, end_new) - S, 0) // P  # the history is whole pages
-    PAGE_SPLITS: tl.constexpr = NUM_SPLITS - 1 if NUM_SPLITS > 1 else 1
-    if split < PAGE_SPLITS:
+    PAGE_SPLITS: tl.constexpr = NUM_SPLITS - WS if NUM_SPLITS > 1 else 1
+    if has_history and SLICED:
+        qs0, qsum0 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 0, D, BITS)
+        qs1, qsum1 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 1, D, BITS)
+        qs2, qsum2 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 2, D, BITS)
+        qs3, qsum3 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 3, D, BITS)
+        qs4, qsum4 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 4, D, BITS)
+        qs5, qsum5 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 5, D, BITS)
+        qs6, qsum6 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 6, D, BITS)
+        qs7, qsum7 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 7, D, BITS)
+        g0 = tl.zeros([BLOCK_M], tl.float32)  # query sums per group, for the zero points
+        g1 = tl.zeros([BLOCK_M], tl.float32)
+        g2 = tl.zeros([BLOCK_M], tl.float32)
+        g3 = tl.zeros([BLOCK_M], tl.float32)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum0, 0, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum1, 1, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum2, 2, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum3, 3, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum4, 4, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, BITS)
+        U: tl.constexpr = D // 8
+        acc0 = tl.zeros([BLOCK_M, U], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, U], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, U], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, U], tl.float32)
+        acc4 = tl.zeros([BLOCK_M, U], tl.float32)
+        acc5 = tl.zeros([BLOCK_M, U], tl.float32)
+        acc6 = tl.zeros([BLOCK_M, U], tl.float32)
+        acc7 = tl.zeros([BLOCK_M, U], tl.float32)
+        z0 = tl.zeros([BLOCK_M], tl.float32)
+        z1 = tl.zeros([BLOCK_M], tl.float32)
+        z2 = tl.zeros([BLOCK_M], tl.float32)
+        z3 = tl.zeros([BLOCK_M], tl.float32)
+        share = tl.cdiv(history_pages, PAGE_SPLITS)
+        lo = history_split * share
+        hi = tl.minimum(lo + share, history_pages)
+        if window > 0:  # pages wholly before the window of the first query row are skipped
+            lo = tl.maximum(lo, tl.maximum(old + m_block * BLOCK_M // G - window + 1 - S, 0) // P)
+        bt_row = bt_ptr + slot.to(tl.int64) * bt_stride
+        for index in range(lo, hi):
+            page = tl.load(bt_row + index)
+            page_ok = (page >= 0) & (page < num_pages)
+            row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P
+            kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, BITS, ASM)
+            s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, g0, g1, g2, g3, kw0, kw1, kh0, kh1,
+                               ks_ptr, kz_ptr, row0, P, D, NG, BITS, ASM)
+            # Padding rows have zero queries, so finite scores; their outputs are never stored.
+            if window > 0:
+                hist_pos = S + index * P + tl.arange(0, P)
+                visible = page_ok & (query_pos[:, None] - hist_pos[None, :] < window)
+            else:
+                visible = tl.full([BLOCK_M, P], 1, tl.int1) & page_ok
+            m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
+                s, visible, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+                vc_ptr, vs_ptr, vz_ptr, row0, P, D, NG, BITS, ASM)
+        a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+                                          D, NG, BITS)
+    elif has_history:
         # Sums of the rounded query quarters, for the zero points (see _group_scores).
         qs0 = tl.sum(q0.to(tl.float32), 1)
         qs1 = tl.sum(q1.to(tl.float32), 1)
@@ -253,7 +559,7 @@ def _paged_attention_kernel(
         z2 = tl.zeros([BLOCK_M], tl.float32)
         z3 = tl.zeros([BLOCK_M], tl.float32)
         share = tl.cdiv(history_pages, PAGE_SPLITS)
-        lo = split * share
+        lo = history_split * share
         hi = tl.minimum(lo + share, history_pages)
         if window > 0:  # pages wholly before the window of the first query row are skipped
             lo = tl.maximum(lo, tl.maximum(old + m_block * BLOCK_M // G - window + 1 - S, 0) // P)
@@ -278,19 +584,21 @@ def _paged_attention_kernel(
         a2 = a2 * UNIT_INV - z2[:, None]
         a3 = a3 * UNIT_INV - z3[:, None]
 
-    if split == NUM_SPLITS - 1:
+    if split < WS and REGIONS != 1:
         head_row = slot.to(tl.int64) * HKV + h
         if S > 0:
-            sink_pos = tl.arange(0, SINK_BLOCK)
-            m, l, a0, a1, a2, a3 = _window_block(
-                sink_k_ptr, sink_v_ptr, head_row * S + sink_pos, sink_pos < tl.minimum(old, S), sink_pos,
-                q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
-        for first in range(end_new, old, BLOCK_N):
+            if split == 0:
+                sink_pos = tl.arange(0, SINK_BLOCK)
+                m, l, a0, a1, a2, a3 = _window_block(
+                    sink_k_ptr, sink_v_ptr, head_row * S + sink_pos, sink_pos < tl.minimum(old, S), sink_pos,
+                    q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
+        for first in range(end_new + split * BLOCK_N, old, WS * BLOCK_N):
             key_pos = first + tl.arange(0, BLOCK_N)
             m, l, a0, a1, a2, a3 = _window_block(
                 ring_k_ptr, ring_v_ptr, head_row * C + (key_pos - S) % C, key_pos < old, key_pos,
                 q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
         last_new = tl.minimum(count, (m_block * BLOCK_M + BLOCK_M - 1) // G + 1)
+        last_new = tl.where(split == WS - 1, last_new, 0)
         for first in range(0, last_new, BLOCK_N):
             key_t = first + tl.arange(0, BLOCK_N)
             m, l, a0, a1, a2, a3 = _window_block(
@@ -338,14 +646,31 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLI
     tl.store(out_ptr + row * D + cols, merged.to(out_ptr.dtype.element_ty))
 
 
+def _maxnreg_supported() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in CUDAOptions.__dataclass_fields__
+
+
+HISTORY_REGISTERS = 168  # register cap of the one-warp history programs (see launch_attention)
+
+
 def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: int, num_splits: int,
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
-                     num_stages: int = 2) -> None:
+                     num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
+                     maxnreg: int | None = -1, window_splits: int = 1) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
-    num_warps None: one warp when a program's query rows fit one block and there are at least
-    four programs per multiprocessor (decode at long context or large batch: measured fastest on
-    the H100 with scripts/tune_attention.py), else four."""
+    With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
+    that the history programs get their own small footprint: num_warps (None: one warp when a
+    program's query rows fit one block and there are at least four programs per multiprocessor,
+    else four), num_stages of load pipelining, and a register cap `maxnreg` (-1: 168 for one
+    warp, where the compiler supports it; None: no cap). The cap trades 30 registers for
+    occupancy: 12 instead of 10 one-warp programs per multiprocessor; measured on the H100 with
+    scripts/tune_attention.py (32x32K: 377 µs capped, 456 µs uncapped). Without splits (prefill:
+    `choose_splits` gives decode at least two) one launch does everything with two stages."""
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads
@@ -359,18 +684,28 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     bt = batch.block_table
     m_blocks = triton.cdiv(batch.max_new * group, block_m)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)
-    grid = (b * lay.kv_heads, m_blocks, num_splits)
-    _paged_attention_kernel[grid](
-        q, k_new, v_new, out, part_o, part_lse,
-        batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-        layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero,
-        layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
-        scale * LOG2E, window,
-        HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
-        R=lay.recent_tokens, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        SINK_BLOCK=max(16, triton.next_power_of_2(max(lay.sink_tokens, 1))),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (q, k_new, v_new, out, part_o, part_lse,
+            batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
+            layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero,
+            layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
+            scale * LOG2E, window)
+    cuda = q.device.type == "cuda"
+    shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
+                 R=lay.recent_tokens, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
+                 SINK_BLOCK=max(16, triton.next_power_of_2(max(lay.sink_tokens, 1))), ASM=cuda,
+                 WINDOW_SPLITS=window_splits if num_splits > window_splits else 1)
+    if num_splits > 1 and separate_windows:
+        ws = shape["WINDOW_SPLITS"]
+        if maxnreg == -1:
+            maxnreg = HISTORY_REGISTERS if num_warps == 1 and cuda and _maxnreg_supported() else None
+        registers = {} if maxnreg is None else dict(maxnreg=maxnreg)
+        _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits - ws)](
+            *args, **shape, REGIONS=1, num_warps=num_warps, num_stages=num_stages, **registers)
+        _paged_attention_kernel[(b * lay.kv_heads, m_blocks, ws)](
+            *args, **shape, REGIONS=2, num_warps=window_warps, num_stages=2)
+    else:
+        _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits)](
+            *args, **shape, REGIONS=0, num_warps=num_warps, num_stages=2)
     if num_splits > 1:
         rows = q.shape[0] * hq
         _combine_kernel[(rows,)](part_o, part_lse, out, D=d, NUM_SPLITS=num_splits,
