@@ -61,10 +61,11 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     for d, group, bits, hq, hkv, page, sink, recent in configs:
         shape = dict(D=d, NG=d // group, BITS=bits, P=page, S=sink, R=recent)
         jobs = []
-        for splits, regions in ((1, 0), (17, 1), (17, 2)):  # prefill; decode history and window launches
+        for splits, regions, windows in ((1, 0, 1), (17, 1, 4), (17, 2, 4)):  # prefill; decode history, windows
             jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
                          dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
-                              SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions),
+                              SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
+                              WINDOW_SPLITS=windows),
                          dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d))
         jobs.append((triton_write._write_kernel, WRITE_TYPES, dict(write, ROTATE=True, CENTER=True, BLOCK_T=16),
