@@ -113,7 +113,8 @@ def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, 
 # the query (scores) or divided out of the accumulator (values). Because the word and the
 # float16 have the same width, each pair of adjacent words in a thread's mma fragment
 # becomes a pair of float16 with one 32-bit instruction: no byte permutes, and the multipliers
-# stay <= 64 so that the scaled queries stay normal float16 numbers. Slice s covers channels 2u + parity(s) + offset(s), u < D/8.
+# stay <= 64 so that the scaled queries stay normal float16 numbers. Slice s covers channels
+# 2u + parity(s) + offset(s), u < D/8.
 
 
 @triton.jit
@@ -209,6 +210,12 @@ def _query_slice(q_ptr, q_row, row_valid, qk_scale, s: tl.constexpr, D: tl.const
 
 
 @triton.jit
+def _slice_scores(qs, w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """q·c of one slice: [BLOCK_M, P] in units of 2^-24."""
+    return tl.dot(qs, tl.trans(_slice_codes(w0, w1, h0, h1, s, BITS, ASM)))
+
+
+@triton.jit
 def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qsum0, qsum1, qsum2, qsum3, w0, w1, h0, h1,
                    ks_ptr, kz_ptr, row0, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
                    ASM: tl.constexpr):
@@ -228,21 +235,21 @@ def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qsum0, qsum1, qsum2, 
         d1 = tl.zeros([qs0.shape[0], P], tl.float32)
         d2 = tl.zeros([qs0.shape[0], P], tl.float32)
         d3 = tl.zeros([qs0.shape[0], P], tl.float32)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs0, tl.trans(_slice_codes(w0, w1, h0, h1, 0, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs0, w0, w1, h0, h1, 0, BITS, ASM),
                                        0, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs1, tl.trans(_slice_codes(w0, w1, h0, h1, 1, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs1, w0, w1, h0, h1, 1, BITS, ASM),
                                        1, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs2, tl.trans(_slice_codes(w0, w1, h0, h1, 2, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs2, w0, w1, h0, h1, 2, BITS, ASM),
                                        2, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs3, tl.trans(_slice_codes(w0, w1, h0, h1, 3, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs3, w0, w1, h0, h1, 3, BITS, ASM),
                                        3, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs4, tl.trans(_slice_codes(w0, w1, h0, h1, 4, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs4, w0, w1, h0, h1, 4, BITS, ASM),
                                        4, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs5, tl.trans(_slice_codes(w0, w1, h0, h1, 5, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs5, w0, w1, h0, h1, 5, BITS, ASM),
                                        5, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs6, tl.trans(_slice_codes(w0, w1, h0, h1, 6, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs6, w0, w1, h0, h1, 6, BITS, ASM),
                                        6, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, tl.dot(qs7, tl.trans(_slice_codes(w0, w1, h0, h1, 7, BITS, ASM))),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs7, w0, w1, h0, h1, 7, BITS, ASM),
                                        7, D, NG, BITS)
         s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0)
         s += _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1)
