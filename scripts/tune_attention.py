@@ -23,6 +23,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="1x131072,32x32768,1x32768")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--registers", default="none,168,128", help="register caps to try (none: no cap)")
+    parser.add_argument("--stages", default="2,3", help="pipeline stages to try")
     args = parser.parse_args()
     copy = copy_bandwidth_gbs(torch.device("cuda"))
     print(f"copy bandwidth {copy:.0f} GB/s")
@@ -35,7 +37,8 @@ def main() -> None:
         expected = reference.attention_reference(layer, step, q, k, v, scale)
         chosen = choose_splits(layer, batch, 1, 32, context, q.device)
         split_options = sorted({chosen, max(2, chosen // 2)})
-        grid = itertools.product((None, 168, 128), (2, 3), split_options)
+        caps = [None if r == "none" else int(r) for r in args.registers.split(",")]
+        grid = itertools.product(caps, [int(x) for x in args.stages.split(",")], split_options)
         if args.quick:
             grid = itertools.product((None,), (2,), split_options[:1])
         results = []
