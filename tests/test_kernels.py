@@ -82,20 +82,20 @@ def test_no_clipping():
     _drive(layout, 2, [[90], [1]], clip_k=0.0, clip_v=0.0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-@pytest.mark.parametrize("head_dim", [64, 128])  # the byte-quarter and the sliced history paths
+# head_dim 64 reads the history as byte quarters, 128 as int16 slices (one split: across_shapes);
+# two splits take a sliding window of 40.
+@pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (2, 64), (5, 64), (2, 128), (5, 128)])
 def test_sequence_splits_and_sliding_window(num_splits, head_dim):
     layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=64, **SMALL)
     _drive(layout, 4, [[130, 20], [1, 1]], num_splits=num_splits, window=40 if num_splits == 2 else 0)
 
 
-@pytest.mark.parametrize("window", [0, 100])
-def test_decode_windows_shared_by_several_splits(window):
+def test_decode_windows_shared_by_several_splits():
     """Small-batch decode: the sink, the ring's 2-3 blocks of 64 and the step's token spread over 3
     window splits (every 3rd ring block; sink to the first, the new token to the last), history
-    over 4."""
+    over 4. (Sliding windows with splits: test_sequence_splits_and_sliding_window.)"""
     layout = PagedLayout(kv_heads=1, head_dim=128, group_size=128, page_size=16, sink_tokens=16, recent_tokens=128)
-    _drive(layout, 4, [[300, 220], [1, 1], [1, 1]], num_splits=7, window_splits=3, window=window)
+    _drive(layout, 4, [[300, 220], [1, 1], [1, 1]], num_splits=7, window_splits=3)
 
 
 def test_flush_moves_aged_ring_tokens_a_page_at_a_time():
