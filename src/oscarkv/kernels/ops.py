@@ -114,11 +114,16 @@ def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Te
     return k_rot
 
 
+def _multiprocessor_count(device: torch.device) -> int:
+    """The GPU's multiprocessors; 4 off CUDA (the interpreter runs the same split logic)."""
+    return _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+
+
 def split_count(programs: int, tokens: int, device: torch.device) -> int:
     """Splits of the key positions per program for flash-decoding: enough programs to fill the GPU
     about 4 times over, and at least ~512 positions per split. 1 (no merge) when `programs` alone
     fill it."""
-    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+    sms = _multiprocessor_count(device)
     if programs >= 2 * sms:
         return 1
     wanted = -(-4 * sms // programs)
@@ -127,6 +132,7 @@ def split_count(programs: int, tokens: int, device: torch.device) -> int:
 
 
 MAX_HISTORY_SPLITS = 128
+SMALL_BATCH_WINDOW_SPLITS = 4
 
 
 def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int) -> tuple[int, int]:
@@ -136,10 +142,10 @@ def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_hea
 
 
 def _window_splits(programs: int, history_splits: int, sms: int) -> int:
-    """4 window splits when the window programs alone would leave most of the GPU idle (small
+    """SMALL_BATCH_WINDOW_SPLITS (4) window splits when the window programs alone would leave most of the GPU idle (small
     batches at long context), else 1. One window program walks ~6 blocks of the sink and ring one
     after another: 11 µs on the H100, as long as the whole history at 8K."""
-    return 4 if programs < sms and history_splits >= 8 else 1
+    return SMALL_BATCH_WINDOW_SPLITS if programs < sms and history_splits >= 8 else 1
 
 
 def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
@@ -155,7 +161,7 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
     tokens = max_context - layer.layout.sink_tokens
     if m_blocks > 1:
         return split_count(programs, tokens, device)
-    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
+    sms = _multiprocessor_count(device)
     history = 1 if programs >= 8 * sms else max(1, min(-(-16 * sms // programs), tokens // 64, MAX_HISTORY_SPLITS))
     return history + _window_splits(programs, history, sms)
 
@@ -166,8 +172,8 @@ def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_h
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
     if m_blocks > 1:
         return 1
-    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
-    return _window_splits(programs, num_splits - 4, sms)
+    sms = _multiprocessor_count(device)
+    return _window_splits(programs, num_splits - SMALL_BATCH_WINDOW_SPLITS, sms)
 
 
 def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,

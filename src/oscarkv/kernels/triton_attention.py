@@ -26,6 +26,8 @@ queries.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -653,6 +655,7 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLI
     tl.store(out_ptr + row * D + cols, merged.to(out_ptr.dtype.element_ty))
 
 
+@functools.cache
 def _maxnreg_supported() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
