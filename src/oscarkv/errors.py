@@ -25,3 +25,7 @@ class InputTooLongError(OscarError):
 
 class AssetError(OscarError):
     """A built-in model or text could not be found or fetched."""
+
+
+class TokenizerError(OscarError):
+    """A tokenizer does not encode text the way its model was trained to read it."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, asset_path, assembled_path, cache_dir
 from .calibration.artifact import ModelIdentity
-from .errors import AssetError, UnsupportedModelError
+from .errors import AssetError, TokenizerError, UnsupportedModelError
 from .random_models import PREFIX as RANDOM_PREFIX
 from .random_models import random_model
 
@@ -129,6 +129,50 @@ def k_proj_signature(weights: list[torch.Tensor]) -> tuple[float, ...]:
     return tuple(signature)
 
 
+# --- tokenizer sanity -----------------------------------------------------------------------
+
+# Common words that every English-capable vocabulary of 30K+ entries holds as one token.
+PROBE_SENTENCE = (
+    "The people of the world said that the government would work with the city because of the new water system."
+)
+WORD_PREFIXES = ("\u2581", "\u0120")  # SentencePiece "▁word", byte-level BPE "Ġword"
+
+
+def split_vocabulary_words(tokenizer) -> tuple[list[str], list[str]]:
+    """(probe words the vocabulary holds whole, those of them the tokenizer still splits)."""
+    vocab = tokenizer.get_vocab()
+    tokens = set(tokenizer.convert_ids_to_tokens(tokenizer(PROBE_SENTENCE, add_special_tokens=False)["input_ids"]))
+    whole, split = [], []
+    for word in dict.fromkeys(PROBE_SENTENCE.rstrip(".").split()[1:]):
+        forms = [prefix + word for prefix in WORD_PREFIXES if prefix + word in vocab]
+        if forms:
+            whole.append(word)
+            if not tokens.intersection(forms):
+                split.append(word)
+    return whole, split
+
+
+def check_tokenizer(tokenizer, source: str) -> None:
+    """Refuse a tokenizer that splits common words its own vocabulary holds whole.
+
+    Some transformers versions (5.17 among them) rebuild a SentencePiece GGUF tokenizer
+    (Gemma 3) without its merge rules: every word then comes out in fragments, the model
+    sees text it was never trained on, and perplexity is ~30x too high with no error.
+    """
+    import transformers
+
+    whole, split = split_vocabulary_words(tokenizer)
+    if len(whole) >= 4 and len(split) * 2 > len(whole):
+        example = tokenizer.tokenize(" " + split[0])
+        raise TokenizerError(
+            f"the tokenizer of {source} splits common words that its own vocabulary holds whole "
+            f"({len(split)} of {len(whole)} probe words, e.g. {split[0]!r} -> {example}); the model would "
+            f"read text it was never trained on. This is a known bug of the GGUF tokenizer conversion in "
+            f"transformers {transformers.__version__} (5.17 is affected, 5.23 is not): upgrade transformers "
+            f"(pip install -U 'transformers>=5.23') and delete the converted copy under {cache_dir() / 'models'}."
+        )
+
+
 # --- loading -------------------------------------------------------------------------------
 
 
@@ -147,6 +191,7 @@ def _convert_gguf(gguf: Path) -> Path:
 
     print(f"oscarkv: converting {gguf.name} to a safetensors model directory (once) ...")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_tokenizer(tokenizer, gguf.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
@@ -205,5 +250,6 @@ def load_model(name: str, device: str | torch.device | None = None, dtype: torch
     finally:
         hf_logging.set_verbosity(verbosity)
     check_supported(model)
+    check_tokenizer(tokenizer, name)
     model.oscar_source = name
     return model, tokenizer
