@@ -7,7 +7,7 @@ import torch
 
 from oscarkv import QuantConfig
 from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
-from oscarkv.calibration.collect import Collector, collecting
+from oscarkv.calibration.collect import Collector, attention_mass, collecting
 from oscarkv.calibration.rotations import orthogonality_error
 from oscarkv.errors import CalibrationError, OscarError, UnsupportedModelError
 from tiny_models import VOCAB, tiny_model
@@ -27,9 +27,9 @@ def test_query_covariance_pools_gqa_groups_after_rope():
     collector = Collector()
     original = collector.observe
 
-    def observe(layer, q, k, v):
+    def observe(layer, q, k, v, *window):
         seen.setdefault(layer, []).append(q.double())
-        original(layer, q, k, v)
+        original(layer, q, k, v, *window)
 
     collector.observe = observe
     ids = _tokens(24)[None]
@@ -124,3 +124,33 @@ def test_patched_model_cannot_be_calibrated_again():
     model = oscarkv.patch(tiny_model("llama"), method="naive", quant=QUANT)
     with pytest.raises(OscarError, match="freshly loaded"):
         calibrate(model, _tokens(200), QUANT, CONFIG, show_progress=False)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_mass_is_what_each_key_receives(window):
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    mass = attention_mass(q, k, 0.3, window).reshape(2, 9, 2)  # [B, T, Hkv]
+    expected = torch.zeros(2, 9, 2, dtype=torch.float64)
+    for b in range(2):
+        for h in range(4):
+            for i in range(9):
+                first = 0 if window is None else max(0, i - window + 1)
+                p = torch.softmax(0.3 * k[b, h // 2, first:i + 1].double() @ q[b, h, i].double(), 0)
+                expected[b, first:i + 1, h // 2] += p
+    assert torch.allclose(mass, expected, atol=1e-5)
+    assert torch.allclose(mass.sum(1), torch.full((2, 2), 2 * 9.0, dtype=torch.float64))  # each query gives 1
+
+
+def test_attention_value_weights_change_only_the_value_rotation():
+    model = tiny_model("llama")
+    runs = {w: calibrate(model, _tokens(200), QUANT, CalibrationConfig(method="oscar-paper", chunk_tokens=32, max_chunks=3,
+                                                                       value_weights=w), show_progress=False)
+            for w in ("proxy", "attention")}
+    assert runs["attention"].calibration["value_weights"] == "attention"
+    for proxy, exact in zip(runs["proxy"].layers, runs["attention"].layers):
+        assert torch.equal(proxy.k_rotation, exact.k_rotation)
+        assert orthogonality_error(exact.v_rotation) < 1e-5
+        assert not torch.allclose(proxy.v_rotation, exact.v_rotation, atol=1e-3)
+    with pytest.raises(OscarError, match="value_weights"):
+        CalibrationConfig(value_weights="exact")

@@ -51,7 +51,8 @@ def cmd_calibrate(args) -> int:
     quant = _quant_config(args, attention_shape(model).head_dim)
     config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
                                max_bits=args.max_bits, budget_context=args.budget_context,
-                               clip_grid_k=_ratios(args.clip_grid_k), clip_grid_v=_ratios(args.clip_grid_v))
+                               clip_grid_k=_ratios(args.clip_grid_k), clip_grid_v=_ratios(args.clip_grid_v),
+                               value_weights=getattr(args, "value_weights", "proxy"))
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
@@ -424,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key clip ratios tried per layer (method oscar; default %(default)s)")
     p.add_argument("--clip-grid-v", default="0,0.88,0.92,0.95,0.98",
                    help="value clip ratios tried per layer (method oscar; default %(default)s)")
+    p.add_argument("--value-weights", choices=("proxy", "attention"), default="proxy",
+                   help="token weights of the value covariance C_S: proxy = k C_Q k^T (the paper); attention = "
+                        "the attention probability each key receives on the calibration text (OSCAR+)")
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--max-chunks", type=int, default=16, help="chunks used after the skipped warm-up chunk")
     p.add_argument("--device", default=None)

@@ -30,6 +30,7 @@ from .rotations import check_power_of_two, compose_rotation, sorted_eigh
 from .selection import CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
+VALUE_WEIGHTS = ("proxy", "attention")
 HIGH_ERROR = 0.05  # predicted relative attention-output error above which calibration warns
 
 
@@ -51,6 +52,9 @@ class CalibrationConfig:
     budget_context: int = 32768
     clip_grid_k: tuple[float, ...] = CLIP_GRID_K  # clip ratios the product tries for keys
     clip_grid_v: tuple[float, ...] = CLIP_GRID_V  # and for values
+    # C_S token weights: "proxy" = k C_Q kᵀ (SPEC §2, the default); "attention" = the attention
+    # probability mass each key receives in its calibration chunk (OSCAR+ option, exact).
+    value_weights: str = "proxy"
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -62,6 +66,8 @@ class CalibrationConfig:
         for grid in (self.clip_grid_k, self.clip_grid_v):
             if not grid or any(not c <= 1.0 for c in grid):
                 raise OscarError(f"clip grid {grid} must be a non-empty list of ratios <= 1 (0 = no clip).")
+        if self.value_weights not in VALUE_WEIGHTS:
+            raise OscarError(f"value_weights={self.value_weights!r} must be one of {', '.join(VALUE_WEIGHTS)}.")
         if self.max_bits is not None and self.max_bits < 0:
             raise OscarError(f"max_bits={self.max_bits} must be >= 0 (0 = pure INT2).")
 
@@ -121,7 +127,7 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         chunks = chunks[1 : min(len(chunks) - 1, 1 + config.max_chunks)]
     else:
         chunks = chunks[1 : 1 + config.max_chunks]
-    collector = Collector()
+    collector = Collector(value_weights=config.value_weights)
     passes = 2 * len(chunks) + (1 if product else 0)
     with tqdm(total=passes, desc="calibrating", unit="chunk", disable=not show_progress) as progress:
         _run(model, chunks, collector, progress)
@@ -144,6 +150,7 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         "held_apart_tokens": config.chunk_tokens if product else 0,
         "clip_grid_k": list(config.clip_grid_k) if product else None,
         "clip_grid_v": list(config.clip_grid_v) if product else None,
+        "value_weights": config.value_weights,
         "sources": list(sources or []),
         "model_source": getattr(model, "oscar_source", None),
     }

@@ -31,7 +31,7 @@ class LayerStats:
     vv: torch.Tensor  # [Hkv, d, d]  Σ vᵀv
     k_sum: torch.Tensor  # [Hkv, d]  Σ k
     v_sum: torch.Tensor  # [Hkv, d]  Σ v
-    sv: torch.Tensor  # [Hkv, d, d]  Σ w·vᵀv, w = k C_Q kᵀ  (second pass)
+    sv: torch.Tensor  # [Hkv, d, d]  Σ w·vᵀv, w = k C_Q kᵀ or attention mass (second pass)
     sv_sum: torch.Tensor  # [Hkv, d] Σ w·v                  (second pass)
     weight: torch.Tensor  # [Hkv]    Σ w                    (second pass)
     queries: int = 0  # rows summed into qq per KV head
@@ -72,11 +72,17 @@ class Collector:
 
     stats: dict[int, LayerStats] = field(default_factory=dict)
     second_pass: bool = False
+    # C_S token weights in the second pass: "proxy" = k C_Q kᵀ (SPEC §2); "attention" = the attention
+    # probability mass each key really receives, summed over the queries of its chunk and group.
+    value_weights: str = "proxy"
     # Third use: when set, called as on_layer(layer, q, k, v) instead of accumulating (held-apart tokens).
     on_layer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """q: [B, Hq, T, d]; k, v: [B, Hkv, T, d] (calibration batches are unpadded)."""
+    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None = None,
+                window: int | None = None) -> None:
+        """q: [B, Hq, T, d]; k, v: [B, Hkv, T, d] (calibration batches are unpadded).
+
+        scaling, window: the layer's softmax scale and sliding window (for exact attention weights)."""
         for name, t in (("queries", q), ("keys", k), ("values", v)):
             if not torch.isfinite(t).all():
                 raise CalibrationError(
@@ -101,16 +107,39 @@ class Collector:
             stats.queries += qf.shape[0] * qf.shape[2]
             stats.tokens += kf.shape[0]
         else:
-            c_q = stats.query_covariance().to(kf.device)
-            w = torch.einsum("nhd,hde,nhe->nh", kf, c_q, kf).clamp(min=0)  # attention-weight proxy per token
+            if self.value_weights == "attention":
+                w = attention_mass(q, k, scaling if scaling is not None else d ** -0.5, window)
+            else:
+                c_q = stats.query_covariance().to(kf.device)
+                w = torch.einsum("nhd,hde,nhe->nh", kf, c_q, kf).clamp(min=0)  # attention-weight proxy per token
             stats.sv += torch.einsum("nh,nhd,nhe->hde", w, vf, vf).cpu()
             stats.sv_sum += torch.einsum("nh,nhd->hd", w, vf).cpu()
             stats.weight += w.sum(0).cpu()
 
 
+def attention_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+    """The causal attention probability each key receives, summed over all queries of its group.
+
+    q: [B, Hq, T, d]; k: [B, Hkv, T, d] -> [B*T, Hkv] float64 (rows in the order of `observe`).
+    `window`: sliding-window layers see only the last `window` keys.
+    """
+    b, hq, t_len, _ = q.shape
+    hkv = k.shape[1]
+    qg = q.float().reshape(b, hkv, hq // hkv, t_len, -1)
+    scores = torch.einsum("bhgtd,bhsd->bhgts", qg, k.float()) * scaling
+    rows = torch.arange(t_len, device=q.device)
+    hidden = rows[None, :] > rows[:, None]  # key after query
+    if window:
+        hidden |= rows[None, :] <= rows[:, None] - window
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return probs.sum(dim=(2, 3)).double().transpose(1, 2).reshape(b * t_len, hkv)
+
+
 def _make_attention(collector: Collector):
     def calibration_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-        collector.observe(module.layer_idx, query.detach(), key.detach(), value.detach())
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", None)
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        collector.observe(module.layer_idx, query.detach(), key.detach(), value.detach(), scaling, window)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     return calibration_attention
