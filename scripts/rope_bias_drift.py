@@ -1,0 +1,49 @@
+"""How far a key bias drifts from its centering mean at long positions (Qwen2-style k_proj bias).
+
+Centering (SPEC §6) subtracts μ_K, the mean key after RoPE, measured on calibration chunks
+(positions 0..chunk-1). A constant pre-RoPE bias b becomes R(p)·b at position p, which turns
+away from that mean as p grows. This prints |R(p)·b - mean_{p' < chunk} R(p')·b| per layer and KV
+head: the part of the bias that centering no longer removes at position p and that the INT2
+groups must then cover.
+
+    python scripts/rope_bias_drift.py MODEL.gguf [--theta 1e6] [--chunk 1024] [--head-dim 128] [--layers 0,1,13,27]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from gguf import GGUFReader
+
+POSITIONS = (512, 4096, 8192, 16384, 20000, 24000, 28000, 32000)
+
+
+def rope(vector: np.ndarray, position: int, inverse_frequencies: np.ndarray) -> np.ndarray:
+    """RoPE in the rotate-half layout of Hugging Face models: channel i pairs with i + d/2."""
+    angle = position * inverse_frequencies
+    half = vector.shape[0] // 2
+    x1, x2 = vector[:half], vector[half:]
+    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("gguf")
+    parser.add_argument("--theta", type=float, default=1e6, help="RoPE base (Qwen2.5: 1e6)")
+    parser.add_argument("--chunk", type=int, default=1024, help="calibration chunk length (positions of μ_K)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--layers", default="0,1,13,27")
+    args = parser.parse_args()
+    tensors = {t.name: t for t in GGUFReader(args.gguf).tensors}
+    for layer in (int(x) for x in args.layers.split(",")):
+        bias = np.array(tensors[f"blk.{layer}.attn_k.bias"].data, dtype=np.float64)
+        inverse_frequencies = args.theta ** (-np.arange(0, args.head_dim, 2) / args.head_dim)
+        for head, b in enumerate(bias.reshape(-1, args.head_dim)):
+            mean = np.mean([rope(b, p, inverse_frequencies) for p in range(args.chunk)], axis=0)
+            drift = " ".join(f"{p}:{np.linalg.norm(rope(b, p, inverse_frequencies) - mean):.1f}" for p in POSITIONS)
+            print(f"layer {layer} kv-head {head} |b|={np.linalg.norm(b):.1f}  residual at position {drift}")
+
+
+if __name__ == "__main__":
+    main()
