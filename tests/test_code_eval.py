@@ -58,3 +58,18 @@ def test_every_method_sees_the_same_problems(smollm2):
     rows = summarise(results)
     assert [row["method"] for row in rows] == ["bf16", "hadamard"]
     assert all(row["problems"] == 2 and 0 <= row["pass_at_1"] <= 100 and row["history_share"] > 80 for row in rows)
+
+
+def test_cli_prints_one_json_line_per_problem_then_the_summary():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "oscarkv.cli", "eval", "code", "smollm2-135m", "--methods", "bf16",
+                           "--limit", "2", "--max-new-tokens", "8", "--sink", "4", "--recent", "8", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [line["kind"] for line in lines] == ["problem", "problem", "summary"]
+    assert [line["task_id"] for line in lines[:2]] == ["HumanEval/0", "HumanEval/1"]
+    assert lines[2]["method"] == "bf16" and lines[2]["problems"] == 2
+    assert (lines[2]["sink"], lines[2]["recent"]) == (4, 8)

@@ -163,6 +163,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _print_json_lines(results: list, rows: list[dict], kind: str, **summary_fields) -> None:
+    """One JSON object per result (marked `kind`), then one per summary row (marked "summary")."""
+    for r in results:
+        print(json.dumps(dict(r.as_dict(), kind=kind)), flush=True)
+    for row in rows:
+        print(json.dumps(dict(row, kind="summary", **summary_fields)), flush=True)
+
+
 def cmd_eval_niah(args) -> int:
     from .assets import load_text
     from .calibration.artifact import RotationArtifact
@@ -183,10 +191,7 @@ def cmd_eval_niah(args) -> int:
     results = evaluate_niah(model, tokenizer, cases, methods, quant, cache, artifact)
     rows = summarise(results)
     if args.json:
-        for r in results:
-            print(json.dumps(dict(r.as_dict(), kind="case")), flush=True)
-        for row in rows:
-            print(json.dumps(dict(row, kind="summary")), flush=True)
+        _print_json_lines(results, rows, "case")
     else:
         from .report import format_table
 
@@ -221,10 +226,7 @@ def cmd_eval_code(args) -> int:
                             args.batch_size)
     rows = summarise(results)
     if args.json:
-        for r in results:
-            print(json.dumps(dict(r.as_dict(), kind="problem")), flush=True)
-        for row in rows:
-            print(json.dumps(dict(row, kind="summary", sink=args.sink, recent=args.recent)), flush=True)
+        _print_json_lines(results, rows, "problem", sink=args.sink, recent=args.recent)
     else:
         from .report import format_table
 
