@@ -45,8 +45,18 @@ def test_tests_pass_fail_and_time_out():
     assert not passes_tests(problems[0], "    return (\n")  # syntax error
 
 
-def test_every_method_sees_the_same_problems(smollm2):
-    model, tokenizer = smollm2
+@pytest.fixture(scope="module")
+def own_model():
+    """Its own copy of the embedded model: the evaluation patches it (the shared `smollm2`
+    fixture must reach test_smollm2.py unpatched)."""
+    from oscarkv.models import load_model
+
+    return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.mark.model
+def test_every_method_sees_the_same_problems(own_model):
+    model, tokenizer = own_model
     problems = load_problems(2)
     cache = CacheConfig(sink_tokens=4, recent_tokens=8)
     results = evaluate_code(model, tokenizer, problems, ["bf16", "hadamard"], QuantConfig(group_size=64), cache,
@@ -60,6 +70,7 @@ def test_every_method_sees_the_same_problems(smollm2):
     assert all(row["problems"] == 2 and 0 <= row["pass_at_1"] <= 100 and row["history_share"] > 80 for row in rows)
 
 
+@pytest.mark.model
 def test_cli_prints_one_json_line_per_problem_then_the_summary():
     import subprocess
     import sys
