@@ -18,11 +18,11 @@ class PagedRun:
 
     def __init__(self, layout: PagedLayout, slots: int, max_context: int, query_heads: int, backend: str,
                  seed: int = 0, device="cpu", center: bool = True, rotate: bool = True,
-                 clip_k: float = 0.96, clip_v: float = 0.92) -> None:
+                 clip_k: float = 0.96, clip_v: float = 0.92, window_dtype=torch.bfloat16) -> None:
         g = torch.Generator().manual_seed(seed)
         self.layout, self.backend, self.device = layout, backend, torch.device(device)
         pages = slots * (layout.pages_needed(max_context) + 1)
-        self.cache = PagedKVCache([layout], pages, slots, max_context, device)
+        self.cache = PagedKVCache([layout], pages, slots, max_context, device, window_dtype)
         self.layer = self.cache.layers[0]
         self.query_heads = query_heads
         self.rotation = random_rotation(layout.head_dim, g).to(device) if rotate else None

@@ -28,12 +28,15 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
-           num_splits: int | None = None, window_splits: int | None = None, **run_options) -> None:
+           num_splits: int | None = None, window_splits: int | None = None, values=None, **run_options) -> None:
+    """`values`: a function mapping each random k and v to the values the step writes (default: as drawn)."""
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
     torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
     g = torch.Generator().manual_seed(7)
     for new_tokens in steps:
         q, k, v = random_step(layout, query_heads, new_tokens, g, dtype=dtype, device=DEVICE)
+        if values is not None:
+            k, v = values(k), values(v)
         out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
                                                window_splits=window_splits)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
@@ -75,6 +78,19 @@ def test_default_layout_edge_lengths():
 def test_bfloat16_inputs_and_no_rotation_or_centering():
     layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
     _drive(layout, 8, [[70, 3], [1, 1]], dtype=torch.bfloat16, center=False, rotate=False)
+
+
+def test_float16_windows():
+    """float16 windows: the clip bisection runs over float16 patterns (13 trailing zero bits)."""
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=32, **SMALL)
+    _drive(layout, 4, [[70, 20], [1, 1]], dtype=torch.float16, window_dtype=torch.float16)
+
+
+def test_clip_threshold_with_many_ties():
+    """Rows of a few distinct magnitudes (and zeros): the order statistic must count equal values."""
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=64, **SMALL)
+    few_values = lambda x: (x * 1.5).round().clamp(-3, 3) / 2  # noqa: E731
+    _drive(layout, 4, [[90, 40], [1, 1]], values=few_values, center=False, rotate=False, clip_k=0.9, clip_v=0.96)
 
 
 def test_no_clipping():
@@ -200,7 +216,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "8 kernel configurations compiled for sm_90" in done.stdout
+    assert "9 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads", [(64, 9, 3), (128, 8, 8), (128, 32, 8), (64, 16, 1)])

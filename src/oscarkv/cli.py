@@ -52,7 +52,8 @@ def cmd_calibrate(args) -> int:
     config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
                                max_bits=args.max_bits, budget_context=args.budget_context,
                                clip_grid_k=_ratios(args.clip_grid_k), clip_grid_v=_ratios(args.clip_grid_v),
-                               value_weights=getattr(args, "value_weights", "proxy"))
+                               value_weights=getattr(args, "value_weights", "proxy"),
+                               positions=getattr(args, "positions", "start"))
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--value-weights", choices=("proxy", "attention"), default="proxy",
                    help="token weights of the value covariance C_S: proxy = k C_Q k^T (the paper); attention = "
                         "the attention probability each key receives on the calibration text (OSCAR+)")
+    p.add_argument("--positions", choices=("start", "spread"), default="start",
+                   help="positions the calibration chunks run at: start = 0..chunk-1 (the paper); spread = "
+                        "offsets spread over the model's context, so the key mean holds at every position")
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--max-chunks", type=int, default=16, help="chunks used after the skipped warm-up chunk")
     p.add_argument("--device", default=None)

@@ -31,6 +31,7 @@ from .selection import CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
 VALUE_WEIGHTS = ("proxy", "attention")
+CALIBRATION_POSITIONS = ("start", "spread")
 HIGH_ERROR = 0.05  # predicted relative attention-output error above which calibration warns
 
 
@@ -55,6 +56,10 @@ class CalibrationConfig:
     # C_S token weights: "proxy" = k C_Q kᵀ (SPEC §2, the default); "attention" = the attention
     # probability mass each key receives in its calibration chunk (OSCAR+ option, exact).
     value_weights: str = "proxy"
+    # Positions the chunks are run at: "start" = 0..chunk_tokens-1 for every chunk (the paper);
+    # "spread" = each chunk shifted to its own offset, evenly over the model's supported positions,
+    # so that μ_K (taken after RoPE) is the mean over the whole range a key can sit at.
+    positions: str = "start"
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -68,6 +73,8 @@ class CalibrationConfig:
                 raise OscarError(f"clip grid {grid} must be a non-empty list of ratios <= 1 (0 = no clip).")
         if self.value_weights not in VALUE_WEIGHTS:
             raise OscarError(f"value_weights={self.value_weights!r} must be one of {', '.join(VALUE_WEIGHTS)}.")
+        if self.positions not in CALIBRATION_POSITIONS:
+            raise OscarError(f"positions={self.positions!r} must be one of {', '.join(CALIBRATION_POSITIONS)}.")
         if self.max_bits is not None and self.max_bits < 0:
             raise OscarError(f"max_bits={self.max_bits} must be >= 0 (0 = pure INT2).")
 
@@ -85,11 +92,27 @@ def token_chunks(token_ids: torch.Tensor, chunk_tokens: int, bos_id: int | None 
     return chunks
 
 
-def _run(model, chunks: list[torch.Tensor], collector: Collector, progress: tqdm) -> None:
+def position_offsets(count: int, chunk_tokens: int, max_positions: int) -> list[int]:
+    """`count` first positions spaced evenly from 0 to max_positions - chunk_tokens (all 0 if no room)."""
+    room = max(max_positions - chunk_tokens, 0)
+    if count <= 1 or room == 0:
+        return [0] * count
+    return [round(i * room / (count - 1)) for i in range(count)]
+
+
+def _run(model, chunks: list[torch.Tensor], collector: Collector, progress: tqdm,
+         offsets: list[int] | None = None) -> None:
+    """Forward each chunk for its statistics; chunk i runs at positions offsets[i] + 0..T-1.
+
+    RoPE sees the shifted positions; the causal mask does not depend on them, so every layer's
+    output is that of the unshifted chunk and only q and k turn by the offset."""
     device = next(model.parameters()).device
     with torch.no_grad(), collecting(model, collector):
-        for chunk in chunks:
-            model(chunk[None].to(device), use_cache=False, logits_to_keep=1)  # statistics only: skip the LM head
+        for i, chunk in enumerate(chunks):
+            kwargs = {}
+            if offsets is not None:
+                kwargs["position_ids"] = (offsets[i] + torch.arange(chunk.numel(), device=device))[None]
+            model(chunk[None].to(device), use_cache=False, logits_to_keep=1, **kwargs)  # statistics only
             progress.update(1)
 
 
@@ -129,10 +152,15 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         chunks = chunks[1 : 1 + config.max_chunks]
     collector = Collector(value_weights=config.value_weights)
     passes = 2 * len(chunks) + (1 if product else 0)
+    offsets = held_offset = None
+    if config.positions == "spread":
+        # The held-apart chunk takes the middle of the range, between the covariance chunks' offsets.
+        offsets = position_offsets(len(chunks), config.chunk_tokens, shape.max_positions)
+        held_offset = position_offsets(3, config.chunk_tokens, shape.max_positions)[1:2]
     with tqdm(total=passes, desc="calibrating", unit="chunk", disable=not show_progress) as progress:
-        _run(model, chunks, collector, progress)
+        _run(model, chunks, collector, progress, offsets)
         collector.second_pass = True
-        _run(model, chunks, collector, progress)
+        _run(model, chunks, collector, progress, offsets)
         layers = [_layer_rotations(collector.stats[i], config.method) for i in range(shape.num_layers)]
         if product:
             def score(layer: int, q, k, v) -> None:
@@ -141,7 +169,7 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
                                                     config.clip_grid_k, config.clip_grid_v)
 
             collector.on_layer = score
-            _run(model, [held_apart], collector, progress)
+            _run(model, [held_apart], collector, progress, held_offset)
     calibration = {
         "tokens": len(chunks) * config.chunk_tokens,
         "chunk_tokens": config.chunk_tokens,
@@ -151,6 +179,8 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         "clip_grid_k": list(config.clip_grid_k) if product else None,
         "clip_grid_v": list(config.clip_grid_v) if product else None,
         "value_weights": config.value_weights,
+        "positions": config.positions,
+        "max_offset": max(offsets) if offsets else 0,
         "sources": list(sources or []),
         "model_source": getattr(model, "oscar_source", None),
     }

@@ -67,9 +67,10 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                               SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
                               WINDOW_SPLITS=windows),
                          dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
-        write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d))
-        jobs.append((triton_write._write_kernel, WRITE_TYPES, dict(write, ROTATE=True, CENTER=True, BLOCK_T=16),
-                         {}))
+        write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16)
+        for block in (16, 64):  # decode steps; prompts
+            jobs.append((triton_write._write_kernel, WRITE_TYPES,
+                         dict(write, ROTATE=True, CENTER=True, BLOCK_T=block), {}))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
                      dict(write, ROTATE=False, CENTER=False, CLIP_K=-1, CLIP_V=-1, BLOCK_T=16), {}))
         jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16), {}))
