@@ -154,3 +154,28 @@ def test_attention_value_weights_change_only_the_value_rotation():
         assert not torch.allclose(proxy.v_rotation, exact.v_rotation, atol=1e-3)
     with pytest.raises(OscarError, match="value_weights"):
         CalibrationConfig(value_weights="exact")
+
+
+def test_position_offsets_spread_chunks_over_the_context():
+    from oscarkv.calibration.calibrate import position_offsets
+
+    assert position_offsets(3, 1024, 8192) == [0, 3584, 7168]
+    assert position_offsets(1, 1024, 8192) == [0]
+    assert position_offsets(4, 1024, 1024) == [0, 0, 0, 0]  # no room: the chunks start at 0
+    with pytest.raises(OscarError, match="positions"):
+        CalibrationConfig(positions="everywhere")
+
+
+def test_spread_positions_move_only_the_key_statistics():
+    """Shifted positions change what RoPE does to q and k, not the layers' outputs: μ_V stays, μ_K moves."""
+    model = tiny_model("llama")
+    runs = {p: calibrate(model, _tokens(200), QUANT, CalibrationConfig(chunk_tokens=32, max_chunks=3, positions=p),
+                         show_progress=False)
+            for p in ("start", "spread")}
+    spread = runs["spread"].calibration
+    assert spread["positions"] == "spread"
+    assert spread["max_offset"] == model.config.max_position_embeddings - 32 > 0
+    assert runs["start"].calibration["max_offset"] == 0
+    for start, moved in zip(runs["start"].layers, runs["spread"].layers):
+        torch.testing.assert_close(moved.v_mean, start.v_mean, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(moved.k_mean, start.k_mean, atol=1e-3)
