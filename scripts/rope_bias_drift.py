@@ -6,7 +6,11 @@ away from that mean as p grows. This prints |R(p)·b - mean_{p' < chunk} R(p')·
 head: the part of the bias that centering no longer removes at position p and that the INT2
 groups must then cover.
 
+With --spread N the mean is taken as `calibrate --positions spread` takes it: over positions
+spread evenly from 0 to N - chunk (the chunk starts; their inner positions add little).
+
     python scripts/rope_bias_drift.py MODEL.gguf [--theta 1e6] [--chunk 1024] [--head-dim 128] [--layers 0,1,13,27]
+                                      [--spread 32768]
 """
 
 from __future__ import annotations
@@ -34,13 +38,18 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="calibration chunk length (positions of μ_K)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--layers", default="0,1,13,27")
+    parser.add_argument("--spread", type=int, default=0, help="mean over positions 0..N-chunk (0: over 0..chunk-1)")
     args = parser.parse_args()
     tensors = {t.name: t for t in GGUFReader(args.gguf).tensors}
     for layer in (int(x) for x in args.layers.split(",")):
         bias = np.array(tensors[f"blk.{layer}.attn_k.bias"].data, dtype=np.float64)
         inverse_frequencies = args.theta ** (-np.arange(0, args.head_dim, 2) / args.head_dim)
         for head, b in enumerate(bias.reshape(-1, args.head_dim)):
-            mean = np.mean([rope(b, p, inverse_frequencies) for p in range(args.chunk)], axis=0)
+            if args.spread:
+                positions = np.linspace(0, args.spread - args.chunk, 4096).round().astype(int)
+            else:
+                positions = range(args.chunk)
+            mean = np.mean([rope(b, p, inverse_frequencies) for p in positions], axis=0)
             drift = " ".join(f"{p}:{np.linalg.norm(rope(b, p, inverse_frequencies) - mean):.1f}" for p in POSITIONS)
             print(f"layer {layer} kv-head {head} |b|={np.linalg.norm(b):.1f}  residual at position {drift}")
 
