@@ -179,3 +179,30 @@ def test_spread_positions_move_only_the_key_statistics():
     for start, moved in zip(runs["start"].layers, runs["spread"].layers):
         torch.testing.assert_close(moved.v_mean, start.v_mean, atol=1e-4, rtol=1e-4)
         assert not torch.allclose(moved.k_mean, start.k_mean, atol=1e-3)
+
+
+def test_drift_check_scores_the_chosen_keys_at_the_end_of_the_context(capsys):
+    from oscarkv.cli import print_calibration_report
+
+    model = tiny_model("llama")  # 512 positions: the check runs the held-apart chunk at 480..511
+    artifact = calibrate(model, _tokens(200), QUANT, CalibrationConfig(chunk_tokens=32, max_chunks=3),
+                         show_progress=False)
+    assert artifact.calibration["drift_check_offset"] == 512 - 32
+    for layer in artifact.layers:
+        assert math.isfinite(layer.choice["error_k_far"]) and layer.choice["error_k_far"] >= 0
+    spread = calibrate(model, _tokens(200), QUANT, CalibrationConfig(chunk_tokens=32, max_chunks=3, positions="spread"),
+                       show_progress=False)
+    assert spread.calibration["drift_check_offset"] == 0
+    assert all("error_k_far" not in layer.choice for layer in spread.layers)
+
+    # The report names a layer whose far error is both above 2x its near error and above 0.01.
+    first = artifact.layers[0].choice
+    first["error_k"], first["error_k_far"] = 0.004, 0.05
+    print_calibration_report(artifact)
+    err = capsys.readouterr().err
+    assert "the key mean drifts with position" in err and "layers 0 (12x)" in err and "--positions spread" in err
+    first["error_k_far"] = 0.006  # 1.5x: no warning
+    for layer in artifact.layers[1:]:
+        layer.choice["error_k_far"] = layer.choice["error_k"]
+    print_calibration_report(artifact)
+    assert "drifts" not in capsys.readouterr().err

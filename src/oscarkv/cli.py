@@ -75,7 +75,7 @@ def _ratios(text: str) -> tuple[float, ...]:
 
 def print_calibration_report(artifact) -> None:
     """Per-layer table of the choices and predicted errors, the budget, and warnings."""
-    from .calibration.calibrate import HIGH_ERROR
+    from .calibration.calibrate import DRIFT_MIN, DRIFT_RATIO, HIGH_ERROR
     from .calibration.selection import predicted_error
     from .report import format_table
 
@@ -89,13 +89,18 @@ def print_calibration_report(artifact) -> None:
             "bits": c["bits"], "error": predicted_error(c), "int2": c["error_k"] + c["error_v"],
             "int4": c["error_k_int4"] + c["error_v_int4"], "int4_cost": c.get("int4_cost_bits"),
             "paper": (c["paper_error_k"] or 0.0) + (c["paper_error_v"] or 0.0),
+            "k_near": c["error_k"], "k_far": c.get("error_k_far"),
         })
     print("\nper-layer choice (c- = centered; errors: relative squared error of the attention output on "
           "held-apart tokens; paper = uncentered OSCAR of SPEC §1-§4)")
     print(format_table(rows, [("layer", "layer", "s"), ("k", "K transform@clip", "s"), ("v", "V transform@clip", "s"),
                               ("bits", "bits", "d"), ("error", "error", ".2e"), ("int2", "INT2", ".2e"),
                               ("int4", "INT4", ".2e"), ("int4_cost", "INT4 +bits/elt", ".3f"),
-                              ("paper", "paper", ".2e")]))
+                              ("paper", "paper", ".2e"), ("k_near", "K INT2", ".2e"),
+                              ("k_far", "K INT2 far", ".2e")]))
+    far = artifact.calibration.get("drift_check_offset", 0)
+    if far:
+        print(f"K INT2 far: the key error of the same held-apart tokens at positions {far}..{far + artifact.calibration['chunk_tokens'] - 1}")
     budget = artifact.calibration["budget"]
     print(f"bits per element at {budget['context']} tokens: {budget['bits_per_element']:.3f} (pure INT2 "
           f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 layers: "
@@ -104,6 +109,14 @@ def print_calibration_report(artifact) -> None:
     if high:
         print(f"warning: layers {', '.join(high)} keep a predicted attention error above {HIGH_ERROR:g} within this "
               "budget; raise --max-bits to move them to INT4.", file=sys.stderr)
+    drifting = [f"{i} ({c['error_k_far'] / max(c['error_k'], 1e-12):.0f}x)"
+                for i, c in enumerate(layer.choice for layer in artifact.layers)
+                if c.get("error_k_far", 0.0) > max(DRIFT_RATIO * c["error_k"], DRIFT_MIN)]
+    if drifting:
+        print(f"warning: the key mean drifts with position: at positions {far}+ the predicted INT2 key error grows "
+              f"in layers {', '.join(drifting)}. Long-context retrieval may fail there (Qwen2.5-Coder: NIAH 0% at "
+              "28K). Calibrate with --positions spread for long contexts; it costs perplexity at short ones "
+              "(docs/accuracy.md).", file=sys.stderr)
 
 
 def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: list[str], context: int,

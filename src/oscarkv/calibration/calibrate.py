@@ -27,12 +27,16 @@ from ..models import attention_shape, model_identity
 from .artifact import LayerRotation, RotationArtifact
 from .collect import Collector, collecting
 from .rotations import check_power_of_two, compose_rotation, sorted_eigh
-from .selection import CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer
+from .selection import CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer, chosen_key_error
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
 VALUE_WEIGHTS = ("proxy", "attention")
 CALIBRATION_POSITIONS = ("start", "spread")
 HIGH_ERROR = 0.05  # predicted relative attention-output error above which calibration warns
+# The drift check: a layer whose predicted key error at the far end of the context exceeds both
+# DRIFT_RATIO times its error at the calibration positions and DRIFT_MIN is named in a warning.
+DRIFT_RATIO = 2.0
+DRIFT_MIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,13 @@ def position_offsets(count: int, chunk_tokens: int, max_positions: int) -> list[
     return [round(i * room / (count - 1)) for i in range(count)]
 
 
+def far_offset(config: CalibrationConfig, max_positions: int) -> int:
+    """Where the drift check runs the held-apart chunk again: the last chunk of the model's
+    context; 0 (no check) for spread positions or when the context is under 4 chunks long."""
+    far = max_positions - config.chunk_tokens
+    return far if config.positions == "start" and far >= 3 * config.chunk_tokens else 0
+
+
 def _run(model, chunks: list[torch.Tensor], collector: Collector, progress: tqdm,
          offsets: list[int] | None = None) -> None:
     """Forward each chunk for its statistics; chunk i runs at positions offsets[i] + 0..T-1.
@@ -151,7 +162,8 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
     else:
         chunks = chunks[1 : 1 + config.max_chunks]
     collector = Collector(value_weights=config.value_weights)
-    passes = 2 * len(chunks) + (1 if product else 0)
+    far = far_offset(config, shape.max_positions) if product else 0
+    passes = 2 * len(chunks) + (1 if product else 0) + (1 if far else 0)
     offsets = held_offset = None
     if config.positions == "spread":
         # The held-apart chunk takes the middle of the range, between the covariance chunks' offsets.
@@ -170,6 +182,17 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
 
             collector.on_layer = score
             _run(model, [held_apart], collector, progress, held_offset)
+            if far:
+                # Drift check: the same tokens at the end of the context. The key mean is taken
+                # after RoPE, so a key offset that turns with position (a k_proj bias, or any
+                # pre-RoPE mean) is no longer removed there, and the INT2 keys pay for it.
+                def score_far(layer: int, q, k, v) -> None:
+                    sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
+                    layers[layer].choice["error_k_far"] = chosen_key_error(layers[layer], q[0], k[0], v[0], quant,
+                                                                           cache, sliding)
+
+                collector.on_layer = score_far
+                _run(model, [held_apart], collector, progress, [far])
     calibration = {
         "tokens": len(chunks) * config.chunk_tokens,
         "chunk_tokens": config.chunk_tokens,
@@ -181,6 +204,7 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         "value_weights": config.value_weights,
         "positions": config.positions,
         "max_offset": max(offsets) if offsets else 0,
+        "drift_check_offset": far,
         "sources": list(sources or []),
         "model_source": getattr(model, "oscar_source", None),
     }
