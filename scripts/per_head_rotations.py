@@ -22,23 +22,14 @@ from oscarkv.assets import load_text
 from oscarkv.calibration import calibrate as calibrate_module
 from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
 from oscarkv.calibration.rotations import compose_rotation, sorted_eigh
-from oscarkv.calibration.selection import LayerScorer
+from oscarkv.calibration.selection import LayerScorer, roundtrip
 from oscarkv.config import CacheConfig
 from oscarkv.models import load_model, required_bos
-from oscarkv.quant.format import dequantize, quantize
 
 
 def per_head_rotations(covariances: torch.Tensor) -> torch.Tensor:
     """[Hkv, d, d] covariances -> [Hkv, d, d] OSCAR rotations (eigenvectors, Hadamard, bit reversal)."""
     return torch.stack([compose_rotation(*reversed(sorted_eigh(c))) for c in covariances]).double()
-
-
-def roundtrip(x, mean, rotation, bits, group_size, clip):
-    """As selection.roundtrip, with one rotation per head: x [Hkv, T, d], rotation [Hkv, d, d]."""
-    rotation = rotation.to(x)
-    centered = x - mean.to(x)[:, None, :] if mean is not None else x
-    restored = dequantize(quantize(centered @ rotation, bits, group_size, clip), x.dtype) @ rotation.transpose(1, 2)
-    return restored + mean.to(x)[:, None, :] if mean is not None else restored
 
 
 def main() -> None:

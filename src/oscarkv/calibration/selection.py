@@ -24,12 +24,14 @@ DEFAULT_EXTRA_BITS = 0.25  # default budget: pure INT2 + this many bits per elem
 
 def roundtrip(x: torch.Tensor, mean: torch.Tensor | None, rotation: torch.Tensor, bits: int, group_size: int,
               clip: float) -> torch.Tensor:
-    """x [Hkv, T, d] as read back from the cache: ((x - μ)·R) quantized, then ·Rᵀ + μ."""
+    """x [Hkv, T, d] as read back from the cache: ((x - μ)·R) quantized, then ·Rᵀ + μ.
+
+    rotation: [d, d] for the layer, or [Hkv, d, d], one per KV head."""
     rotation = rotation.to(device=x.device, dtype=x.dtype)
     mean = mean.to(device=x.device, dtype=x.dtype) if mean is not None else None
     centered = x - mean[:, None, :] if mean is not None else x
     rotated = centered @ rotation
-    restored = dequantize(quantize(rotated, bits, group_size, clip), x.dtype) @ rotation.T
+    restored = dequantize(quantize(rotated, bits, group_size, clip), x.dtype) @ rotation.transpose(-1, -2)
     return restored + mean[:, None, :] if mean is not None else restored
 
 

@@ -77,7 +77,8 @@ def _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_
     (a compare-and-count per step) finds the order statistic without a sort. The rows hold values
     of the window dtype, whose float32 patterns end in SHIFT zero bits (16 for bfloat16, 13 for
     float16), so 31 - SHIFT steps over the patterns shifted right by SHIFT are exact. The two
-    bisections run in one loop: independent reductions overlap. A rank of -1 skips its side.
+    bisections share one loop (on the H100 that bought little over running them one after the
+    other; docs/kernels.md). A rank of -1 skips its side.
     """
     top = 0x7F800000 >> SHIFT
     k_lo = tl.zeros([k0.shape[0]], tl.int32)
