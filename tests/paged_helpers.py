@@ -18,7 +18,9 @@ class PagedRun:
 
     def __init__(self, layout: PagedLayout, slots: int, max_context: int, query_heads: int, backend: str,
                  seed: int = 0, device="cpu", center: bool = True, rotate: bool = True,
-                 clip_k: float = 0.96, clip_v: float = 0.92, window_dtype=torch.bfloat16) -> None:
+                 clip_k: float = 0.96, clip_v: float = 0.92, window_dtype=torch.bfloat16,
+                 shift_block: int = 0) -> None:
+        """shift_block > 0: random key shifts (key_centering="rope") over blocks of that many positions."""
         g = torch.Generator().manual_seed(seed)
         self.layout, self.backend, self.device = layout, backend, torch.device(device)
         pages = slots * (layout.pages_needed(max_context) + 1)
@@ -28,6 +30,10 @@ class PagedRun:
         self.rotation = random_rotation(layout.head_dim, g).to(device) if rotate else None
         self.mean = (torch.randn(layout.kv_heads, layout.head_dim, generator=g) * 0.5).to(device) if center else None
         self.clip_k, self.clip_v = clip_k, clip_v
+        if shift_block:
+            blocks = -(-max_context // shift_block)
+            shifts = torch.randn(blocks, layout.kv_heads, layout.head_dim, generator=g) * 2
+            self.layer.key_shifts, self.layer.shift_block = shifts.to(device), shift_block
         self.slots = [self.cache.open_slot() for _ in range(slots)]
 
     def step(self, new_tokens: list[int], q, k, v, window: int = 0, num_splits: int | None = None,

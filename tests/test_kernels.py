@@ -93,6 +93,15 @@ def test_clip_threshold_with_many_ties():
     _drive(layout, 4, [[90, 40], [1, 1]], values=few_values, center=False, rotate=False, clip_k=0.9, clip_v=0.96)
 
 
+@pytest.mark.parametrize("head_dim,group,shift_block,num_splits", [(64, 64, 32, None), (128, 64, 40, None),
+                                                                   (128, 128, 48, 5)])
+def test_key_shifts_of_rope_centering(head_dim, group, shift_block, num_splits):
+    """History keys stored minus the shift of their page's block and read plus it, across several
+    blocks (40 and 48 are not multiples of the 16-token page: the page's first position decides)."""
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, **SMALL)
+    _drive(layout, 8, [[150, 90], [1, 1], [30, 1], [1, 1]], num_splits=num_splits, shift_block=shift_block)
+
+
 def test_no_clipping():
     layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
     _drive(layout, 2, [[90], [1]], clip_k=0.0, clip_v=0.0)
@@ -216,7 +225,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "9 kernel configurations compiled for sm_90" in done.stdout
+    assert "13 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads", [(64, 9, 3), (128, 8, 8), (128, 32, 8), (64, 16, 1)])

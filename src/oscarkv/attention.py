@@ -49,15 +49,15 @@ def _entries(layer: OscarLayer, dtype: torch.dtype) -> tuple[list[torch.Tensor],
     # their remaining sink-storage slots are history tokens, read quantized.
     lo_start = int(layer.pad.min().item()) + layer.sink_tokens if layer.pad.numel() else layer.sink_tokens
     if lo_start < sink:
-        add(layer.history_k.roundtrip(layer.sink_k[:, :, lo_start:]),
+        add(layer.roundtrip_keys(layer.sink_k[:, :, lo_start:], lo_start),
             layer.history_v.roundtrip(layer.sink_v[:, :, lo_start:]), lo_start, True)
     if layer.history_k.length:
-        add(layer.history_k.read(dtype), layer.history_v.read(dtype), layer.history_start, True)
+        add(layer.history_keys(dtype), layer.history_v.read(dtype), layer.history_start, True)
     tail = layer.tail_k.shape[2]
     aged = max(0, tail - layer.config.recent_tokens)  # tail tokens that some query reads quantized
     aged -= aged % layer.token_multiple  # (whole KIVI key groups: the tail starts on a group edge)
     if aged:
-        add(layer.history_k.roundtrip(layer.tail_k[:, :, :aged]),
+        add(layer.roundtrip_keys(layer.tail_k[:, :, :aged], layer.tail_start),
             layer.history_v.roundtrip(layer.tail_v[:, :, :aged]), layer.tail_start, True)
     add(layer.tail_k, layer.tail_v, layer.tail_start, False)
     return keys, values, slots, kinds

@@ -14,6 +14,16 @@ DEMO_TEXT_CALIBRATION = "wiki"
 DEMO_TEXT_EVALUATION = "news"
 
 
+def _add_cache_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kernel", choices=("auto", "paged", "reference"), default="auto",
+                        help="auto: the paged GPU kernels on CUDA where the method allows, else the torch reference "
+                             "cache; reference: always the reference cache")
+    parser.add_argument("--key-centering", choices=("fixed", "rope"), default="fixed",
+                        help="fixed: every key minus the calibrated key mean (SPEC §6); rope: history keys minus that "
+                             "mean turned by RoPE to their block of positions, added back when read (exact; "
+                             "reference cache only)")
+
+
 def _add_quant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=None,
                         help="channels per INT2 scale/zero group (default: the artifact's, else min(128, head_dim))")
@@ -121,7 +131,7 @@ def print_calibration_report(artifact) -> None:
 
 def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: list[str], context: int,
             max_tokens: int | None, quant_args, device: str | None, as_json: bool, plot: str | None,
-            max_bits: float | None = None) -> list[dict]:
+            max_bits: float | None = None, key_centering: str = "fixed", kernel: str = "auto") -> list[dict]:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.ppl import check_context, evaluate_methods
@@ -136,7 +146,8 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
 
         apply_budget(artifact, attention_shape(model), CacheConfig(), max_bits,
                      artifact.calibration.get("budget", {}).get("context", 32768))
-    results = evaluate_methods(model, _tokens(tokenizer, text), methods, quant, CacheConfig(), context,
+    cache = CacheConfig(key_centering=key_centering, kernel=kernel)
+    results = evaluate_methods(model, _tokens(tokenizer, text), methods, quant, cache, context,
                                max_tokens, artifact, required_bos(model, tokenizer))
     reference = next((r.ppl for r in results if r.method == "bf16"), None)
     rows = []
@@ -165,7 +176,7 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
 def cmd_eval_ppl(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     run_ppl(args.model, methods, args.rotations, args.text, args.context, args.max_tokens, args, args.device,
-            args.json, args.plot, args.max_bits)
+            args.json, args.plot, args.max_bits, args.key_centering, args.kernel)
     return 0
 
 
@@ -196,7 +207,7 @@ def cmd_eval_niah(args) -> int:
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
     model, tokenizer = load_model(args.model, device=args.device)
     quant = _quant_config(args, attention_shape(model).head_dim, artifact)
-    cache = CacheConfig()
+    cache = CacheConfig(key_centering=args.key_centering, kernel=args.kernel)
     depths = _floats(args.depths)
     if any(not 0 <= d <= 1 for d in depths):
         raise OscarError(f"--depths {args.depths}: each depth is a fraction of the haystack, between 0 and 1.")
@@ -232,7 +243,8 @@ def cmd_eval_code(args) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
-    cache = CacheConfig(sink_tokens=args.sink, recent_tokens=args.recent)
+    cache = CacheConfig(sink_tokens=args.sink, recent_tokens=args.recent, key_centering=args.key_centering,
+                        kernel=args.kernel)
     problems = load_problems(args.limit)
     model, tokenizer = load_model(args.model, device=args.device)
     quant = _quant_config(args, attention_shape(model).head_dim, artifact)
@@ -471,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, help="write a PNG bar chart here")
     e.add_argument("--device", default=None)
     _add_quant_args(e)
+    _add_cache_args(e)
     e.set_defaults(func=cmd_eval_ppl)
 
     e = eval_sub.add_parser("niah", help="needle-in-a-haystack retrieval per method (greedy, exact match)")
@@ -486,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, help="write a PNG plot here")
     e.add_argument("--device", default=None)
     _add_quant_args(e)
+    _add_cache_args(e)
     e.set_defaults(func=cmd_eval_niah)
 
     e = eval_sub.add_parser("code", help="HumanEval pass@1 per method (greedy completions, unit tests in a subprocess)")
@@ -501,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, help="write a PNG bar chart here")
     e.add_argument("--device", default=None)
     _add_quant_args(e)
+    _add_cache_args(e)
     e.set_defaults(func=cmd_eval_code)
 
     p = sub.add_parser("demo", help="calibrate + evaluate the embedded model (a few minutes on a CPU)")

@@ -16,6 +16,7 @@ SCALE_DTYPES = (torch.float16, torch.float32)
 KEY_GROUPINGS = ("token", "channel")
 KERNELS = ("auto", "paged", "reference")
 HISTORY_FORMATS = ("int", "turboquant3")
+KEY_CENTERINGS = ("fixed", "rope")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ class CacheConfig:
     static_decode: on CUDA, a patched model's `generate` runs plain greedy decoding of an unpadded
         batch through the static decode path (one CUDA graph per step; see
         `oscarkv.integrations.static_decode`); False keeps transformers' own loop.
+    key_centering: how the keys of a centered artifact (SPEC §6) are centered. "fixed": every key
+        minus μ_K, the mean calibration measured at positions [0, chunk). "rope": a history key
+        at position p is centered by R(o)·μ_K instead, the same mean turned by RoPE to its block
+        of positions, o = chunk·floor(p / chunk), and the difference is added back to it when it
+        is read, so attention is unchanged up to quantization (`oscarkv.rope`). Keys far into a
+        long context are then as well centered as those calibration saw.
     """
 
     sink_tokens: int = 64
@@ -100,6 +107,7 @@ class CacheConfig:
     key_grouping: str = "token"
     static_decode: bool = True
     history_format: str = "int"
+    key_centering: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.key_grouping not in KEY_GROUPINGS:
@@ -117,6 +125,8 @@ class CacheConfig:
             raise OscarError(f"history_dtype={self.history_dtype} must be a floating-point dtype.")
         if self.history_format not in HISTORY_FORMATS:
             raise OscarError(f"history_format={self.history_format!r} must be one of {HISTORY_FORMATS}.")
+        if self.key_centering not in KEY_CENTERINGS:
+            raise OscarError(f"key_centering={self.key_centering!r} must be one of {KEY_CENTERINGS}.")
         if self.kernel not in KERNELS:
             raise OscarError(f"kernel={self.kernel!r} must be one of {KERNELS}.")
         if self.max_context is not None and self.max_context < 1:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .. import rope
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 from .history import ChannelGroupedHistory, HistoryStore, TurboQuantHistory
@@ -36,6 +37,11 @@ class LayerSpec:
     k_mean: torch.Tensor | None = None  # [Hkv, d]: subtracted from every key before R_K (SPEC §6)
     bits: int = 2  # history code width: 2, or 4 on a fallback layer
     plain_history: bool = False  # history kept in the window dtype (TurboQuant's boundary layers)
+    # key_centering="rope": [blocks, Hkv, d] (R(o)·μ_K - μ_K)·R_K for o = block·i, subtracted from the
+    # history keys of positions [o, o + block) before quantization and added back on reading
+    # (`oscarkv.rope`); None = every key centered by μ_K alone.
+    k_mean_shifts: torch.Tensor | None = None
+    shift_block: int = 1024
 
 
 class OscarLayer(DynamicLayer):
@@ -83,6 +89,10 @@ class OscarLayer(DynamicLayer):
             self.k_mean = self.spec.k_mean.to(device=self.device, dtype=torch.float32)[None, :, None, :]
         else:
             self.k_mean = None
+        if self.spec.k_mean_shifts is not None:
+            self.k_mean_shifts = self.spec.k_mean_shifts.to(device=self.device, dtype=torch.float32)
+        else:
+            self.k_mean_shifts = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -157,12 +167,39 @@ class OscarLayer(DynamicLayer):
         dtype = torch.promote_types(x.dtype, torch.float32)
         return x.to(dtype) @ self.k_rotation.to(dtype)
 
+    def key_shift(self, first_slot: int, n: int) -> torch.Tensor | None:
+        """[B, Hkv, n, d] float32: the (R(o) - 1)·μ_K·R_K of slots first_slot.. of each row (their
+        positions are slot - left padding), or None when keys are centered by μ_K alone."""
+        if self.k_mean_shifts is None:
+            return None
+        slots = torch.arange(first_slot, first_slot + n, device=self.device)
+        positions = slots[None, :] - self.pad[:, None]  # [B, n]
+        return rope.shift_rows(self.k_mean_shifts, positions, self.spec.shift_block).transpose(1, 2)
+
+    def keys_to_history(self, keys: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """Window keys of slots first_slot.. as the history stores them (block-shifted, see LayerSpec)."""
+        shift = self.key_shift(first_slot, keys.shape[2])
+        return keys if shift is None else keys.float() - shift
+
+    def history_keys(self, dtype: torch.dtype) -> torch.Tensor:
+        """The history keys read back in `dtype`, shifts added back."""
+        keys = self.history_k.read(dtype)
+        shift = self.key_shift(self.history_start, keys.shape[2])
+        return keys if shift is None else keys + shift.to(dtype)
+
+    def roundtrip_keys(self, keys: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """Window keys of slots first_slot.. as they would read back from the history."""
+        shift = self.key_shift(first_slot, keys.shape[2])
+        if shift is None:
+            return self.history_k.roundtrip(keys)
+        return self.history_k.roundtrip(keys.float() - shift) + shift
+
     def flush(self) -> None:
         """Move tokens that left the recent window into the INT2 history."""
         overflow = self.tail_k.shape[2] - self.config.recent_tokens
         overflow -= overflow % self.token_multiple  # KIVI keys move a whole token group at a time
         if overflow > 0:
-            self.history_k.append(self.tail_k[:, :, :overflow])
+            self.history_k.append(self.keys_to_history(self.tail_k[:, :, :overflow], self.tail_start))
             self.history_v.append(self.tail_v[:, :, :overflow])
             self.tail_k = self.tail_k[:, :, overflow:].contiguous()
             self.tail_v = self.tail_v[:, :, overflow:].contiguous()

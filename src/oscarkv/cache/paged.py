@@ -103,6 +103,17 @@ class PagedLayer:
     sink_v: torch.Tensor
     ring_k: torch.Tensor
     ring_v: torch.Tensor
+    # CacheConfig(key_centering="rope"): [blocks, Hkv, D] float32 shifts (R(o)·μ_K - μ_K)·R_K, and the
+    # block of positions each covers (`oscarkv.rope`). A history page is stored minus the shift of
+    # the block of its first position and read plus it; None: no shifts.
+    key_shifts: torch.Tensor | None = None
+    shift_block: int = 0
+
+    def shift_index(self, positions: torch.Tensor) -> torch.Tensor:
+        """Row of `key_shifts` for history positions: the block of their page's first position."""
+        lay = self.layout
+        first = lay.sink_tokens + (positions - lay.sink_tokens).div(lay.page_size, rounding_mode="floor") * lay.page_size
+        return first.div(self.shift_block, rounding_mode="floor").clamp(max=self.key_shifts.shape[0] - 1)
 
     @classmethod
     def allocate(cls, layout: PagedLayout, num_pages: int, max_slots: int, device, window_dtype=torch.bfloat16):

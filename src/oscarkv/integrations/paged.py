@@ -135,6 +135,7 @@ class PagedOscarCache(DynamicCache):
     def __init__(self, specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int,
                  max_context: int, backend: str = "auto") -> None:
         self.cache_config = config
+        self.specs = specs
         self.layouts = paged_layouts(specs, config, kv_heads, head_dim)
         self.max_context = max_context
         self.backend = backend
@@ -143,6 +144,16 @@ class PagedOscarCache(DynamicCache):
         self._step: StepBatch | None = None
         self.frozen: StepBatch | None = None  # the one StepBatch of every step of a static decode
         Cache.__init__(self, layers=[PagedOscarLayer(i, spec, self) for i, spec in enumerate(specs)])
+
+    def new_storage(self, num_pages: int, max_slots: int, device: torch.device) -> PagedKVCache:
+        """The page pool and windows of every layer, with the layers' key shifts (key_centering="rope")."""
+        storage = PagedKVCache(self.layouts, num_pages, max_slots, self.max_context, device,
+                               self.cache_config.window_dtype)
+        for layer, spec in zip(storage.layers, self.specs):
+            if spec.k_mean_shifts is not None:
+                layer.key_shifts = spec.k_mean_shifts.to(device=device, dtype=torch.float32).contiguous()
+                layer.shift_block = spec.shift_block
+        return storage
 
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.bool().all()):
@@ -161,8 +172,7 @@ class PagedOscarCache(DynamicCache):
         """Pages and metadata for a step of `batch` rows (one slot per row, opened at the first step)."""
         if self.storage is None:
             pages = batch * max(1, self.layouts[0].pages_needed(self.max_context))
-            self.storage = PagedKVCache(self.layouts, pages, batch, self.max_context, device,
-                                        self.cache_config.window_dtype)
+            self.storage = self.new_storage(pages, batch, device)
             self.slots = [self.storage.open_slot() for _ in range(batch)]
         if batch != len(self.slots):
             raise OscarError(f"this cache holds {len(self.slots)} sequences but the step has {batch}.")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..cache.paged import PagedKVCache, StepBatch
+from ..cache.paged import StepBatch
 from ..errors import OscarError
 from ..kernels.ops import attend_dense
 from .paged import AttendingLayer, PagedOscarCache, causal_attention, paged_layouts
@@ -84,8 +84,7 @@ class PagedSlotCache(PagedOscarCache):
     def __init__(self, state: OscarState, max_slots: int, num_pages: int, max_context: int,
                  device: torch.device, backend: str = "auto") -> None:
         super().__init__(state.specs, state.cache, state.kv_heads, state.head_dim, max_context, backend)
-        self.storage = PagedKVCache(self.layouts, num_pages, max_slots, max_context, device,
-                                    state.cache.window_dtype)
+        self.storage = self.new_storage(num_pages, max_slots, device)
         self.book = _SlotBook(max_slots)
         self.batch_slots: list[int] = []
 

@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .. import rope
 from ..attention import oscar_attention_reference
 from ..cache.mixed import LayerSpec, OscarCache, OscarLayer
 from ..calibration.artifact import RotationArtifact
@@ -191,6 +192,27 @@ def layer_specs(artifact: RotationArtifact, quant: QuantConfig, layer_types, sli
     return specs
 
 
+def with_key_shifts(specs: list[LayerSpec], model: nn.Module, artifact: RotationArtifact, layer_types,
+                    max_positions: int) -> list[LayerSpec]:
+    """The specs with the per-block key-mean shifts of key_centering='rope' (`oscarkv.rope`)."""
+    positions = artifact.calibration.get("positions", "start")
+    if positions != "start":
+        raise OscarError(f"key_centering='rope' turns the key mean measured at positions [0, chunk), but this "
+                         f"artifact was calibrated with positions={positions!r}; recalibrate with "
+                         "--positions start or use key_centering='fixed'.")
+    block = int(artifact.calibration.get("chunk_tokens", 1024))
+    shifted = []
+    for spec, layer_type in zip(specs, layer_types):
+        if spec.k_mean is None:
+            shifted.append(spec)
+            continue
+        shifts = rope.mean_shifts(spec.k_mean, rope.inverse_frequencies(model, layer_type), block, max_positions)
+        if spec.k_rotation is not None:
+            shifts = shifts @ spec.k_rotation.to(torch.float64)
+        shifted.append(replace(spec, k_mean_shifts=shifts.float(), shift_block=block))
+    return shifted
+
+
 def _inject_cache(model: nn.Module, args, kwargs):
     """Forward pre-hook: use an OscarCache where the caller passed none; record padding."""
     cache = kwargs.get("past_key_values")
@@ -238,8 +260,10 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
     for module, layer in zip(attention_modules(model), artifact.layers):
         absorb_value_transform(module, layer.v_rotation, layer.v_mean, shape.num_kv_heads, shape.num_heads)
     specs = layer_specs(artifact, quant, shape.layer_types, shape.sliding_window)
-    model.oscar = OscarState(artifact, quant, cache, specs, shape.num_kv_heads, shape.head_dim,
-                             shape.max_positions or 32768)
+    max_positions = shape.max_positions or 32768
+    if cache.key_centering == "rope":
+        specs = with_key_shifts(specs, model, artifact, shape.layer_types, cache.max_context or max_positions)
+    model.oscar = OscarState(artifact, quant, cache, specs, shape.num_kv_heads, shape.head_dim, max_positions)
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     if not getattr(model, "_oscar_hooked", False):

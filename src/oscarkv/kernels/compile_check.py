@@ -20,12 +20,13 @@ ATTENTION_TYPES = dict(
     q_ptr=WINDOW, k_new_ptr=WINDOW, v_new_ptr=WINDOW, out_ptr=WINDOW, part_o_ptr="*fp32", part_lse_ptr="*fp32",
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
-    sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, qk_scale="fp32", window="i32")
+    sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, qk_scale="fp32", window="i32",
+    shift_ptr="*fp32", num_blocks="i32")
 WRITE_TYPES = dict(
     k_ptr=WINDOW, v_ptr=WINDOW, k_rot_ptr=WINDOW, rot_ptr="*fp32", mean_ptr="*fp32",
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
-    sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW)
+    sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, kshift_ptr="*fp32", num_blocks="i32")
 DENSE_TYPES = dict(
     q_ptr=WINDOW, k_ptr=WINDOW, v_ptr=WINDOW, out_ptr=WINDOW, part_o_ptr="*fp32", part_lse_ptr="*fp32",
     slots_ptr="*i64", lengths_ptr="*i64", stride_slot="i64", stride_head="i64", scale_log2="fp32", window="i32")
@@ -61,19 +62,25 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     for d, group, bits, hq, hkv, page, sink, recent in configs:
         shape = dict(D=d, NG=d // group, BITS=bits, P=page, S=sink, R=recent)
         jobs = []
-        for splits, regions, windows in ((1, 0, 1), (17, 1, 4), (17, 2, 4)):  # prefill; decode history, windows
+        # prefill; decode history, windows; decode history with key_centering="rope" shifts
+        for splits, regions, windows, shifted in ((1, 0, 1, False), (17, 1, 4, False), (17, 2, 4, False),
+                                                  (17, 1, 4, True)):
             jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
                          dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
                               SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
-                              WINDOW_SPLITS=windows),
+                              WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024),
                          dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
-        write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16)
+        write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
+                     SHIFT_BLOCK=1024)
         for block in (16, 64):  # decode steps; prompts
             jobs.append((triton_write._write_kernel, WRITE_TYPES,
                          dict(write, ROTATE=True, CENTER=True, BLOCK_T=block), {}))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
+                     dict(write, ROTATE=True, CENTER=True, BLOCK_T=64, KEY_SHIFTS=True), {}))
+        jobs.append((triton_write._write_kernel, WRITE_TYPES,
                      dict(write, ROTATE=False, CENTER=False, CLIP_K=-1, CLIP_V=-1, BLOCK_T=16), {}))
-        jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16), {}))
+        for shifted in (False, True):
+            jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, KEY_SHIFTS=shifted), {}))
         jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),
                      dict(num_warps=4, num_stages=3)))

@@ -5,7 +5,9 @@ and a `StepBatch` (which sequences, how many new tokens, how many already stored
 
 write:      rotate the new keys ((k - μ_K)·R_K, rounded to the window dtype), move the
             ring tokens that age into the history to their pages (the flush), then store
-            every new token in its region: sink, ring, or straight into a page.
+            every new token in its region: sink, ring, or straight into a page. With key
+            shifts (key_centering="rope"), a history key is stored as its window key minus the
+            shift of its page's block, rounded to the window dtype, and read plus the shift.
 attention:  each new token's queries attend, causally, to everything stored before this
             step (sink and ring in the window dtype, history pages dequantized) and to the
             step's own new tokens at full precision (the rotated keys the write returns).
@@ -39,6 +41,9 @@ def _store_history(layer: PagedLayer, slot: int, block_table: torch.Tensor, posi
     index = positions - lay.sink_tokens
     pages = block_table[slot, index // lay.page_size].long()
     rows = index % lay.page_size
+    if layer.key_shifts is not None:  # rounded back to the window dtype, as the kernel quantizes it
+        shift = layer.key_shifts[layer.shift_index(positions)]
+        keys = (keys.float() - shift).to(layer.ring_k.dtype)
     for stream, clip, codes, scale, zero in (
         (keys, clip_k, layer.k_codes, layer.k_scale, layer.k_zero),
         (values, clip_v, layer.v_codes, layer.v_scale, layer.v_zero),
@@ -95,7 +100,10 @@ def stored_kv_reference(layer: PagedLayer, block_table: torch.Tensor, slot: int,
                                           (parts_v, layer.v_codes, layer.v_scale, layer.v_zero)):
             q = QuantizedTensor(codes[pages, :, rows], scale[pages, :, rows], zero[pages, :, rows],
                                 lay.group_size, torch.float32, lay.bits)
-            parts.append(dequantize(q).transpose(0, 1))
+            x = dequantize(q)
+            if layer.key_shifts is not None and parts is parts_k:
+                x = x + layer.key_shifts[layer.shift_index(hist)]
+            parts.append(x.transpose(0, 1))
     ring = torch.arange(history_end, max(history_end, stored), device=layer.k_codes.device)
     if ring.numel():
         rows = (ring - s) % lay.ring_capacity

@@ -448,16 +448,26 @@ def _window_block(k_ptr, v_ptr, row, key_valid, key_pos, q0, q1, q2, q3, query_p
 
 
 @triton.jit
+def _score_shift(shift_ptr, num_blocks, q_row, row_valid, page_index, S: tl.constexpr, P: tl.constexpr,
+                 SHIFT_BLOCK: tl.constexpr):
+    """[BLOCK_M] score term q·shift of the block of a history page (key_centering="rope"), in the
+    base-2 score units: the page's keys were stored minus that shift."""
+    block = tl.minimum((S + page_index * P) // SHIFT_BLOCK, num_blocks - 1)
+    return tl.load(shift_ptr + q_row * num_blocks + block, mask=row_valid, other=0.0)
+
+
+@triton.jit
 def _paged_attention_kernel(
         q_ptr, k_new_ptr, v_new_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
         sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
-        qk_scale, window,
+        qk_scale, window, shift_ptr, num_blocks,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
         P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
-        REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1):
+        REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
+        SHIFT_BLOCK: tl.constexpr = 1):
     """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
     block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
     WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
@@ -546,6 +556,8 @@ def _paged_attention_kernel(
             kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, BITS, ASM)
             s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, g0, g1, g2, g3, kw0, kw1, kh0, kh1,
                                ks_ptr, kz_ptr, row0, P, D, NG, BITS, ASM)
+            if KEY_SHIFTS:
+                s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None]
             # Padding rows have zero queries, so finite scores; their outputs are never stored.
             if window > 0:
                 hist_pos = S + index * P + tl.arange(0, P)
@@ -581,6 +593,8 @@ def _paged_attention_kernel(
             row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P + (index % PARTS) * KEYS
             s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, row0, KEYS, D, NG,
                                 BITS)
+            if KEY_SHIFTS:
+                s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index // PARTS, S, P, SHIFT_BLOCK)[:, None]
             hist_pos = S + index * KEYS + tl.arange(0, KEYS)
             visible = page_ok & row_valid[:, None] & (hist_pos >= 0)[None, :]
             if window > 0:
@@ -655,6 +669,19 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLI
     tl.store(out_ptr + row * D + cols, merged.to(out_ptr.dtype.element_ty))
 
 
+def history_score_shifts(layer, q, scale: float):
+    """[T, Hq, blocks] float32: q·shift of every key-shift block for the queries q [T, Hq, D], times
+    scale·log2(e) (the kernel's base-2 score units). Added to the scores of the history pages of each
+    block, it restores what the write path subtracted from their keys."""
+    import torch
+
+    t, hq, d = q.shape
+    hkv = layer.layout.kv_heads
+    grouped = q.float().reshape(t, hkv, hq // hkv, d)
+    shifts = torch.einsum("tkgd,nkd->tkgn", grouped, layer.key_shifts).reshape(t, hq, -1)
+    return shifts.mul_(scale * LOG2E).contiguous()
+
+
 @functools.cache
 def _maxnreg_supported() -> bool:
     try:
@@ -670,8 +697,11 @@ HISTORY_REGISTERS = 168  # register cap of the one-warp history programs (see la
 def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: int, num_splits: int,
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
-                     maxnreg: int | None = -1, window_splits: int = 1) -> None:
+                     maxnreg: int | None = -1, window_splits: int = 1,
+                     score_shifts: torch.Tensor | None = None) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
+    score_shifts: [T, Hq, blocks] float32, q·shift per key-shift block in base-2 score units
+    (`history_score_shifts`, computed here when the layer has key shifts and none is given).
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
     that the history programs get their own small footprint: num_warps (None: one warp when a
@@ -693,17 +723,20 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         num_warps = 1 if batch.max_new * group <= block_m and many else 4
     bt = batch.block_table
     m_blocks = triton.cdiv(batch.max_new * group, block_m)
+    if layer.key_shifts is not None and score_shifts is None:
+        score_shifts = history_score_shifts(layer, q, scale)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)
     args = (q, k_new, v_new, out, part_o, part_lse,
             batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
             layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero,
             layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
-            scale * LOG2E, window)
+            scale * LOG2E, window, *((score_shifts, score_shifts.shape[2]) if layer.key_shifts is not None else (q, 1)))
     cuda = q.device.type == "cuda"
     shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
                  R=lay.recent_tokens, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
                  SINK_BLOCK=max(16, triton.next_power_of_2(max(lay.sink_tokens, 1))), ASM=cuda,
-                 WINDOW_SPLITS=window_splits if num_splits > window_splits else 1)
+                 WINDOW_SPLITS=window_splits if num_splits > window_splits else 1,
+                 KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1))
     if num_splits > 1 and separate_windows:
         ws = shape["WINDOW_SPLITS"]
         if maxnreg == -1:

@@ -246,11 +246,30 @@ def _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S: tl.constexpr, P:
 
 
 @triton.jit
+def _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h, window_dtype: tl.constexpr,
+                     HKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, P: tl.constexpr,
+                     SHIFT_BLOCK: tl.constexpr):
+    """History keys minus the shift of the block of their page's first position (key_centering="rope",
+    `PagedLayer.shift_index`), rounded back to the window dtype: what the clip bisection expects."""
+    W: tl.constexpr = D // 4
+    first = S + (tl.maximum(pos - S, 0) // P) * P
+    block = tl.minimum(first // SHIFT_BLOCK, num_blocks - 1)
+    src = kshift_ptr + (block.to(tl.int64) * HKV + h)[:, None] * D + tl.arange(0, W)[None, :]
+    m = valid[:, None]
+    k0 = _round_to(k0 - tl.load(src, mask=m, other=0.0), window_dtype)
+    k1 = _round_to(k1 - tl.load(src + W, mask=m, other=0.0), window_dtype)
+    k2 = _round_to(k2 - tl.load(src + 2 * W, mask=m, other=0.0), window_dtype)
+    k3 = _round_to(k3 - tl.load(src + 3 * W, mask=m, other=0.0), window_dtype)
+    return k0, k1, k2, k3
+
+
+@triton.jit
 def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
-                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
+                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
                   HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
-                  CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr):
+                  CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
+                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     block = tl.program_id(1)
     h = tl.program_id(2)
@@ -267,6 +286,9 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
     page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
     k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
     v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
+    if KEY_SHIFTS:
+        k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
+                                          ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
     _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr,
                        vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS, CLIP_K, CLIP_V, SHIFT)
 
@@ -275,11 +297,12 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
 def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
                   slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                  sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
+                  sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
                   HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
-                  ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr):
+                  ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
+                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     block = tl.program_id(1)
     h = tl.program_id(2)
@@ -340,6 +363,9 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
     if (first_pos < end_new) & (last_pos >= S):
         in_history = valid & (pos >= S) & (pos < end_new)
         page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+        if KEY_SHIFTS:
+            k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, in_history, h,
+                                              window_dtype, HKV, D, S, P, SHIFT_BLOCK)
         _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr,
                            vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS, CLIP_K, CLIP_V, SHIFT)
 
@@ -366,7 +392,9 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     block_tokens = 16
     common = dict(HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
                   R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d),
-                  SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=block_tokens)
+                  SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=block_tokens,
+                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1))
+    shifts = (layer.key_shifts, layer.key_shifts.shape[0]) if layer.key_shifts is not None else (k, 1)
     b = batch.batch
     if b == 0:
         return
@@ -374,7 +402,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
     flush_grid = (b, triton.cdiv(lay.ring_capacity, block_tokens), lay.kv_heads)
     _flush_kernel[flush_grid](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                              *pages, layer.ring_k, layer.ring_v, **common)
+                              *pages, layer.ring_k, layer.ring_v, *shifts, **common)
     if batch.max_new == 0:
         return
     # Long steps (prompts) with D <= 128 take blocks of 64 tokens: a quarter of the programs, each
@@ -386,6 +414,6 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     _write_kernel[write_grid](k, v, k_rot, rotation if rotation is not None else k,
                               mean if mean is not None else k,
                               batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                              *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
+                              *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *shifts,
                               ROTATE=rotation is not None, CENTER=mean is not None,
                               **dict(common, BLOCK_T=write_block))
