@@ -150,7 +150,12 @@ def test_paged_cache_shifts_far_keys_as_the_reference_cache_does():
 def test_rope_centering_is_refused_where_it_cannot_hold():
     model = tiny_model("llama")
     spread = _calibrated(model, positions="spread")
+    start = _calibrated(model)
     with pytest.raises(OscarError, match="positions='spread'"):
         oscarkv.patch(model, spread, cache=CacheConfig(key_centering="rope"))
+    oscarkv.patch(model, spread)  # the default, "auto", keeps the fixed mean there
+    assert all(spec.k_mean_shifts is None for spec in model.oscar.specs)
+    oscarkv.patch(model, start)  # and turns it where it applies
+    assert any(spec.k_mean_shifts is not None for spec in model.oscar.specs)
     with pytest.raises(OscarError, match="key_centering"):
         CacheConfig(key_centering="moving")

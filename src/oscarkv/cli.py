@@ -18,10 +18,10 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel", choices=("auto", "paged", "reference"), default="auto",
                         help="auto: the paged GPU kernels on CUDA where the method allows, else the torch reference "
                              "cache; reference: always the reference cache")
-    parser.add_argument("--key-centering", choices=("fixed", "rope"), default="fixed",
+    parser.add_argument("--key-centering", choices=("auto", "rope", "fixed"), default="auto",
                         help="fixed: every key minus the calibrated key mean (SPEC §6); rope: history keys minus that "
-                             "mean turned by RoPE to their block of positions, added back when read (exact; "
-                             "reference cache only)")
+                             "mean turned by RoPE to their block of positions, added back when read (exact); auto "
+                             "(default): rope where the artifact and model allow it, else fixed")
 
 
 def _add_quant_args(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +131,7 @@ def print_calibration_report(artifact) -> None:
 
 def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: list[str], context: int,
             max_tokens: int | None, quant_args, device: str | None, as_json: bool, plot: str | None,
-            max_bits: float | None = None, key_centering: str = "fixed", kernel: str = "auto") -> list[dict]:
+            max_bits: float | None = None, key_centering: str = "auto", kernel: str = "auto") -> list[dict]:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.ppl import check_context, evaluate_methods

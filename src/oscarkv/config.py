@@ -16,7 +16,7 @@ SCALE_DTYPES = (torch.float16, torch.float32)
 KEY_GROUPINGS = ("token", "channel")
 KERNELS = ("auto", "paged", "reference")
 HISTORY_FORMATS = ("int", "turboquant3")
-KEY_CENTERINGS = ("fixed", "rope")
+KEY_CENTERINGS = ("auto", "rope", "fixed")
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,10 @@ class CacheConfig:
         at position p is centered by R(o)·μ_K instead, the same mean turned by RoPE to its block
         of positions, o = chunk·floor(p / chunk), and the difference is added back to it when it
         is read, so attention is unchanged up to quantization (`oscarkv.rope`). Keys far into a
-        long context are then as well centered as those calibration saw.
+        long context are then as well centered as those calibration saw (Qwen2.5-Coder NIAH at
+        28K-32K: 0-8% with "fixed", 100% with "rope"). "auto" (default): "rope" where it applies
+        (an artifact calibrated at start positions, a model with fixed RoPE frequencies), else
+        "fixed"; "rope" raises where it does not apply.
     """
 
     sink_tokens: int = 64
@@ -107,7 +110,7 @@ class CacheConfig:
     key_grouping: str = "token"
     static_decode: bool = True
     history_format: str = "int"
-    key_centering: str = "fixed"
+    key_centering: str = "auto"
 
     def __post_init__(self) -> None:
         if self.key_grouping not in KEY_GROUPINGS:

@@ -261,8 +261,12 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
         absorb_value_transform(module, layer.v_rotation, layer.v_mean, shape.num_kv_heads, shape.num_heads)
     specs = layer_specs(artifact, quant, shape.layer_types, shape.sliding_window)
     max_positions = shape.max_positions or 32768
-    if cache.key_centering == "rope":
-        specs = with_key_shifts(specs, model, artifact, shape.layer_types, cache.max_context or max_positions)
+    if cache.key_centering != "fixed" and artifact.centered:
+        try:
+            specs = with_key_shifts(specs, model, artifact, shape.layer_types, cache.max_context or max_positions)
+        except OscarError:
+            if cache.key_centering == "rope":
+                raise  # "auto" keeps the fixed mean where the turned one does not apply
     model.oscar = OscarState(artifact, quant, cache, specs, shape.num_kv_heads, shape.head_dim, max_positions)
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)

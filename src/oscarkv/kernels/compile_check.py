@@ -30,6 +30,7 @@ WRITE_TYPES = dict(
 DENSE_TYPES = dict(
     q_ptr=WINDOW, k_ptr=WINDOW, v_ptr=WINDOW, out_ptr=WINDOW, part_o_ptr="*fp32", part_lse_ptr="*fp32",
     slots_ptr="*i64", lengths_ptr="*i64", stride_slot="i64", stride_head="i64", scale_log2="fp32", window="i32")
+SCORE_SHIFT_TYPES = dict(q_ptr=WINDOW, shift_ptr="*fp32", out_ptr="*fp32", qk_scale="fp32", num_blocks="i32")
 COMBINE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=WINDOW)
 
 # (head_dim, group, bits, query heads, kv heads, page, sink, recent): Qwen3-like, its INT4 fallback,
@@ -84,6 +85,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),
                      dict(num_warps=4, num_stages=3)))
+        jobs.append((triton_attention._score_shift_kernel, SCORE_SHIFT_TYPES, dict(HQ=hq, HKV=hkv, D=d, BLOCK_B=32),
+                     {}))
         jobs.append((triton_attention._combine_kernel, COMBINE_TYPES, dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32), {}))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)

@@ -447,13 +447,33 @@ def _window_block(k_ptr, v_ptr, row, key_valid, key_pos, q0, q1, q2, q3, query_p
     return _softmax_step(s, visible, m, l, a0, a1, a2, a3, v0, v1, v2, v3)
 
 
+# key_centering="rope": the history keys of a page were stored minus the key shift of the block of
+# the page's first position (`PagedLayer.shift_index`). The score term q·shift restores them:
+# `_score_shift_kernel` computes it once per step for every (query row, block), and the history
+# loops add the page's entry to its scores (one load per row and page, no branch in the loop).
+
+
 @triton.jit
-def _score_shift(shift_ptr, num_blocks, q_row, row_valid, page_index, S: tl.constexpr, P: tl.constexpr,
+def _score_shift_kernel(q_ptr, shift_ptr, out_ptr, qk_scale, num_blocks, HQ: tl.constexpr, HKV: tl.constexpr,
+                        D: tl.constexpr, BLOCK_B: tl.constexpr):
+    """out[row, b] = qk_scale · q[row]·shift[b, KV head of row] (row = token·HQ + query head), float32."""
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    h = (row % HQ) // (HQ // HKV)
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + row * D + cols).to(tl.float32)
+    ok = blocks < num_blocks
+    shift = tl.load(shift_ptr + (blocks.to(tl.int64)[:, None] * HKV + h) * D + cols[None, :], mask=ok[:, None],
+                    other=0.0)
+    tl.store(out_ptr + row * num_blocks + blocks, tl.sum(shift * q[None, :], 1) * qk_scale, mask=ok)
+
+
+@triton.jit
+def _score_shift(terms_ptr, num_blocks, q_row, row_valid, page_index, S: tl.constexpr, P: tl.constexpr,
                  SHIFT_BLOCK: tl.constexpr):
-    """[BLOCK_M] score term q·shift of the block of a history page (key_centering="rope"), in the
-    base-2 score units: the page's keys were stored minus that shift."""
+    """[BLOCK_M] score term of a history page's block for each query row (see above)."""
     block = tl.minimum((S + page_index * P) // SHIFT_BLOCK, num_blocks - 1)
-    return tl.load(shift_ptr + q_row * num_blocks + block, mask=row_valid, other=0.0)
+    return tl.load(terms_ptr + q_row * num_blocks + block, mask=row_valid, other=0.0)
 
 
 @triton.jit
@@ -669,17 +689,18 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLI
     tl.store(out_ptr + row * D + cols, merged.to(out_ptr.dtype.element_ty))
 
 
-def history_score_shifts(layer, q, scale: float):
-    """[T, Hq, blocks] float32: q·shift of every key-shift block for the queries q [T, Hq, D], times
-    scale·log2(e) (the kernel's base-2 score units). Added to the scores of the history pages of each
-    block, it restores what the write path subtracted from their keys."""
+def score_shift_terms(layer, q, scale: float):
+    """[T, Hq, blocks] float32: q·shift of every key-shift block for the queries q [T, Hq, D], in the
+    kernel's base-2 score units (`_score_shift_kernel`)."""
     import torch
 
-    t, hq, d = q.shape
-    hkv = layer.layout.kv_heads
-    grouped = q.float().reshape(t, hkv, hq // hkv, d)
-    shifts = torch.einsum("tkgd,nkd->tkgn", grouped, layer.key_shifts).reshape(t, hq, -1)
-    return shifts.mul_(scale * LOG2E).contiguous()
+    blocks = layer.key_shifts.shape[0]
+    terms = torch.empty(q.shape[0], q.shape[1], blocks, dtype=torch.float32, device=q.device)
+    block_b = 32
+    _score_shift_kernel[(q.shape[0] * q.shape[1], triton.cdiv(blocks, block_b))](
+        q, layer.key_shifts, terms, scale * LOG2E, blocks, HQ=q.shape[1], HKV=layer.layout.kv_heads,
+        D=layer.layout.head_dim, BLOCK_B=block_b)
+    return terms
 
 
 @functools.cache
@@ -697,11 +718,8 @@ HISTORY_REGISTERS = 168  # register cap of the one-warp history programs (see la
 def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: int, num_splits: int,
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
-                     maxnreg: int | None = -1, window_splits: int = 1,
-                     score_shifts: torch.Tensor | None = None) -> None:
+                     maxnreg: int | None = -1, window_splits: int = 1) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
-    score_shifts: [T, Hq, blocks] float32, q·shift per key-shift block in base-2 score units
-    (`history_score_shifts`, computed here when the layer has key shifts and none is given).
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
     that the history programs get their own small footprint: num_warps (None: one warp when a
@@ -723,14 +741,14 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         num_warps = 1 if batch.max_new * group <= block_m and many else 4
     bt = batch.block_table
     m_blocks = triton.cdiv(batch.max_new * group, block_m)
-    if layer.key_shifts is not None and score_shifts is None:
-        score_shifts = history_score_shifts(layer, q, scale)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)
     args = (q, k_new, v_new, out, part_o, part_lse,
             batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
             layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero,
             layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
-            scale * LOG2E, window, *((score_shifts, score_shifts.shape[2]) if layer.key_shifts is not None else (q, 1)))
+            scale * LOG2E, window,
+            *((score_shift_terms(layer, q, scale), layer.key_shifts.shape[0]) if layer.key_shifts is not None
+              else (q, 1)))
     cuda = q.device.type == "cuda"
     shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
                  R=lay.recent_tokens, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
