@@ -200,7 +200,7 @@ def test_drift_check_scores_the_chosen_keys_at_the_end_of_the_context(capsys):
     first["error_k"], first["error_k_far"] = 0.004, 0.05
     print_calibration_report(artifact)
     err = capsys.readouterr().err
-    assert "the key mean drifts with position" in err and "layers 0 (12x)" in err and "--positions spread" in err
+    assert "the key mean drifts with position" in err and "layers 0 (12x)" in err and "key_centering" in err
     first["error_k_far"] = 0.006  # 1.5x: no warning
     for layer in artifact.layers[1:]:
         layer.choice["error_k_far"] = layer.choice["error_k"]

@@ -21,7 +21,8 @@ values (Σ p·s·c·2^24 - Σ p·s·z), never to the [tokens, D] tiles. For D >=
 is read as int16 words and split into eight "slices" with one 32-bit AND per pair of words
 (see the comment above `_slice_layout`); D = 64 reads bytes as four quarters
 (`_page_codes`). The online softmax works in base 2 with the softmax scale folded into the
-queries.
+queries. With key shifts (key_centering="rope") each history page's scores get the term
+q·shift of its block, computed once per step by `_score_shift_kernel`.
 """
 
 from __future__ import annotations
