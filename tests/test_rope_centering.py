@@ -40,6 +40,17 @@ def test_turn_is_the_models_rope(family):
         torch.testing.assert_close(turned.float(), expected.reshape(2, 32), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_config_frequencies_are_the_rotary_modules(family):
+    """vLLM's plugin has the model config but no transformers rotary module."""
+    model = tiny_model(family)
+    torch.testing.assert_close(rope.config_inverse_frequencies(model.config, 32), rope.inverse_frequencies(model),
+                               rtol=1e-6, atol=0)
+    scaled = type(model.config)(**{**model.config.to_dict(), "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    with pytest.raises(OscarError, match="plain RoPE"):
+        rope.config_inverse_frequencies(scaled, 32)
+
+
 def test_mean_shifts_turn_the_mean_by_each_block_offset():
     inv_freq = torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64)
     mean = torch.randn(3, 8, dtype=torch.float64)

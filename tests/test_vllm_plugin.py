@@ -55,7 +55,7 @@ def reference(tmp_path_factory):
                          sources=["wiki[:3]"], show_progress=False)
     path = artifact.save(tmp_path_factory.mktemp("vllm") / "smol.rot.safetensors")
     bf16_model, _ = load_model("smollm2-135m", device="cpu")
-    patch_model(model, artifact, cache=CacheConfig(kernel="reference", key_centering="fixed"))  # as the plugin
+    patch_model(model, artifact, cache=CacheConfig(kernel="reference"))
     text = tokenizer("\n\n".join(news_articles()[:40])).input_ids
     prompts = [text[i * 300: i * 300 + n] for i, n in enumerate(PROMPT_LENGTHS)]
     return {"model": model, "bf16": bf16_model, "artifact": path, "prompts": prompts}

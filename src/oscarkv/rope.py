@@ -38,6 +38,21 @@ def inverse_frequencies(model: nn.Module, layer_type: str | None = None) -> torc
     return freqs.detach().to("cpu", torch.float64)
 
 
+def config_inverse_frequencies(config, head_dim: int) -> torch.Tensor:
+    """The inverse frequencies [D/2] (float64) of a model config with plain RoPE (rope_type "default",
+    every channel rotated), for engines that hold a config but no transformers rotary module (vLLM)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if rope_type != "default" or theta is None or partial != 1.0:
+        raise OscarError(f"key_centering='rope' here needs plain RoPE (rope_type 'default', every channel); this "
+                         f"config has rope_type={rope_type!r}, partial_rotary_factor={partial}. Use "
+                         "key_centering='fixed'.")
+    return 1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
 def turn(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """RoPE's rotation of x [..., D] by angles [..., D/2] (channel i paired with i + D/2)."""
     half = x.shape[-1] // 2

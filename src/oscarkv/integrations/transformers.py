@@ -192,9 +192,10 @@ def layer_specs(artifact: RotationArtifact, quant: QuantConfig, layer_types, sli
     return specs
 
 
-def with_key_shifts(specs: list[LayerSpec], model: nn.Module, artifact: RotationArtifact, layer_types,
-                    max_positions: int) -> list[LayerSpec]:
-    """The specs with the per-block key-mean shifts of key_centering='rope' (`oscarkv.rope`)."""
+def with_key_shifts(specs: list[LayerSpec], model: nn.Module | None, artifact: RotationArtifact, layer_types,
+                    max_positions: int, inv_freq: torch.Tensor | None = None) -> list[LayerSpec]:
+    """The specs with the per-block key-mean shifts of key_centering='rope' (`oscarkv.rope`), from the
+    model's RoPE frequencies (or `inv_freq`, the same for every layer, where there is no model)."""
     positions = artifact.calibration.get("positions", "start")
     if positions != "start":
         raise OscarError(f"key_centering='rope' turns the key mean measured at positions [0, chunk), but this "
@@ -206,7 +207,8 @@ def with_key_shifts(specs: list[LayerSpec], model: nn.Module, artifact: Rotation
         if spec.k_mean is None:
             shifted.append(spec)
             continue
-        shifts = rope.mean_shifts(spec.k_mean, rope.inverse_frequencies(model, layer_type), block, max_positions)
+        freqs = inv_freq if inv_freq is not None else rope.inverse_frequencies(model, layer_type)
+        shifts = rope.mean_shifts(spec.k_mean, freqs, block, max_positions)
         if spec.k_rotation is not None:
             shifts = shifts @ spec.k_rotation.to(torch.float64)
         shifted.append(replace(spec, k_mean_shifts=shifts.float(), shift_block=block))

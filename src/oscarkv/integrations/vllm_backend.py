@@ -7,7 +7,9 @@ backend, so installing oscarkv changes nothing for other servers. With one:
 - the metadata builder gives every live request a window lane (`LaneMap`);
 - `forward` writes the chunk (keys centered and rotated after RoPE, then INT2 cells into the
   pages through vLLM's slot mapping, full precision into the windows) and attends each request
-  with `attend_chunk`, the torch read path.
+  with `attend_chunk`, the torch read path. With key shifts (key_centering="rope") a cell holds
+  its key minus the shift of its position's block, and reading adds it back, as the reference
+  cache does.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from .. import rope
 from ..cache.mixed import LayerSpec
 from ..errors import OscarError
-from .transformers import layer_specs
+from .transformers import layer_specs, with_key_shifts
 from .vllm_format import CellFormat, LaneMap, RequestWindows, attend_chunk, shared_cell_bytes
 from .vllm_plugin import PluginSettings, active_settings
 
@@ -107,6 +110,29 @@ class _LayerState:
     windows: RequestWindows
     k_rotation: torch.Tensor | None
     k_mean: torch.Tensor | None
+    key_shifts: torch.Tensor | None = None  # key_centering="rope": [blocks, Hkv, D] (see LayerSpec)
+    shift_block: int = 1024
+
+    def shift(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """[n, Hkv, D] key shifts of history positions [n], or None without shifts."""
+        return None if self.key_shifts is None else rope.shift_rows(self.key_shifts, positions, self.shift_block)
+
+
+def _key_shifts(settings: PluginSettings, spec: LayerSpec, head_dim: int, model_config) -> LayerSpec:
+    """The layer's spec with its RoPE-turned key shifts where key_centering asks for them and the
+    artifact and the model's config (vLLM's ModelConfig) allow them ("auto" keeps the fixed mean
+    elsewhere)."""
+    centering = settings.cache.key_centering
+    if centering == "fixed" or spec.k_mean is None:
+        return spec
+    try:
+        freqs = rope.config_inverse_frequencies(model_config.hf_config, head_dim)
+        return with_key_shifts([spec], None, settings.artifact, ["full_attention"], model_config.max_model_len,
+                               inv_freq=freqs)[0]
+    except OscarError:
+        if centering == "rope":
+            raise
+        return spec
 
 
 class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -125,7 +151,9 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
         ) if bad]
         if problems:
             raise OscarError(f"the oscarkv vLLM plugin does not support {', '.join(problems)} in this version.")
-        self.lanes = window_lanes(self.oscar, get_current_vllm_config())
+        vllm_config = get_current_vllm_config()  # set while the model is built, not at forward time
+        self.lanes = window_lanes(self.oscar, vllm_config)
+        self.model_config = vllm_config.model_config
 
     def _layer_state(self, layer, device) -> _LayerState:
         if self.state is None:
@@ -133,7 +161,7 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
             index = extract_layer_index(layer.layer_name)
             artifact = settings.artifact
             specs = layer_specs(artifact, settings.quant, ["full_attention"] * len(artifact.layers), None)
-            spec = specs[index]
+            spec = _key_shifts(settings, specs[index], self.head_size, self.model_config)
             cells = CellFormat(self.head_size, spec.quant.group_size, spec.bits,
                                cell_bytes=_cell_bytes(settings, self.head_size))
             cache = settings.cache
@@ -141,7 +169,8 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
                                      cache.recent_tokens, cache.window_dtype, device)
             rotation = None if spec.k_rotation is None else spec.k_rotation.to(device, torch.float32)
             mean = None if spec.k_mean is None else spec.k_mean.to(device, torch.float32)
-            self.state = _LayerState(spec, cells, windows, rotation, mean)
+            shifts = None if spec.k_mean_shifts is None else spec.k_mean_shifts.to(device, torch.float32)
+            self.state = _LayerState(spec, cells, windows, rotation, mean, shifts, spec.shift_block)
         return self.state
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -177,7 +206,12 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
         slots = meta.slot_mapping[:tokens].long()
         valid = slots >= 0
         quant = state.spec.quant
-        cells = state.cells.encode(keys[valid], values[valid], quant.clip_ratio_k, quant.clip_ratio_v)
+        stored_keys = keys
+        if state.key_shifts is not None:  # each token's cell holds its key minus its block's shift
+            positions = torch.cat([torch.arange(length - (end - start), length) for length, start, end in
+                                   zip(meta.lengths, meta.query_starts, meta.query_starts[1:])]).to(keys.device)
+            stored_keys = keys.float() - state.shift(positions)  # as the reference cache's history does
+        cells = state.cells.encode(stored_keys[valid], values[valid], quant.clip_ratio_k, quant.clip_ratio_v)
         pages[slots[valid] // block_size, :, slots[valid] % block_size] = cells
 
         out = output[:tokens].view(tokens, hq, d)
@@ -222,4 +256,6 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
         cells = pages[blocks].permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, pages.shape[3])
         cells = cells[start - first * block_size: stop - first * block_size]
         keys, values = state.cells.decode(cells, torch.float32)
+        if state.key_shifts is not None:
+            keys = keys + state.shift(torch.arange(start, stop, device=keys.device))
         return keys, values, start

@@ -32,7 +32,7 @@ from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 
 CONFIG_KEY = "oscarkv"
-SETTING_KEYS = ("rotations", "sink_tokens", "recent_tokens", "window_lanes")
+SETTING_KEYS = ("rotations", "sink_tokens", "recent_tokens", "window_lanes", "key_centering")
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,9 @@ def _parse(text: str) -> PluginSettings:
     if not path.is_file():
         raise OscarError(f"oscarkv rotations file {str(path)!r} does not exist; make one with "
                          "`oscarkv calibrate MODEL --out rot.safetensors`.")
-    # The plugin centers every key by the calibrated mean (SPEC §6); the RoPE-turned shifts of
-    # key_centering="rope" (the transformers default) are not built into its cells yet.
     cache = CacheConfig(sink_tokens=int(entry.get("sink_tokens", 64)),
-                        recent_tokens=int(entry.get("recent_tokens", 256)), key_centering="fixed")
+                        recent_tokens=int(entry.get("recent_tokens", 256)),
+                        key_centering=str(entry.get("key_centering", "auto")))
     lanes = entry.get("window_lanes")
     return PluginSettings(path.resolve(), cache, None if lanes is None else int(lanes))
 
