@@ -192,27 +192,37 @@ def layer_specs(artifact: RotationArtifact, quant: QuantConfig, layer_types, sli
     return specs
 
 
-def with_key_shifts(specs: list[LayerSpec], model: nn.Module | None, artifact: RotationArtifact, layer_types,
-                    max_positions: int, inv_freq: torch.Tensor | None = None) -> list[LayerSpec]:
-    """The specs with the per-block key-mean shifts of key_centering='rope' (`oscarkv.rope`), from the
-    model's RoPE frequencies (or `inv_freq`, the same for every layer, where there is no model)."""
-    positions = artifact.calibration.get("positions", "start")
-    if positions != "start":
-        raise OscarError(f"key_centering='rope' turns the key mean measured at positions [0, chunk), but this "
-                         f"artifact was calibrated with positions={positions!r}; recalibrate with "
-                         "--positions start or use key_centering='fixed'.")
-    block = int(artifact.calibration.get("chunk_tokens", 1024))
-    shifted = []
-    for spec, layer_type in zip(specs, layer_types):
-        if spec.k_mean is None:
-            shifted.append(spec)
-            continue
-        freqs = inv_freq if inv_freq is not None else rope.inverse_frequencies(model, layer_type)
-        shifts = rope.mean_shifts(spec.k_mean, freqs, block, max_positions)
-        if spec.k_rotation is not None:
-            shifts = shifts @ spec.k_rotation.to(torch.float64)
-        shifted.append(replace(spec, k_mean_shifts=shifts.float(), shift_block=block))
-    return shifted
+def with_key_shifts(specs: list[LayerSpec], centering: str, artifact: RotationArtifact, layer_types,
+                    max_positions: int, frequencies) -> list[LayerSpec]:
+    """The specs with the per-block key-mean shifts of key_centering 'rope' (`oscarkv.rope`).
+
+    frequencies(layer_type) -> the RoPE inverse frequencies [D/2] of that layer type; it raises
+    OscarError where they are not known. centering 'auto' keeps the fixed mean (returns `specs`)
+    where the shifts do not apply, 'rope' raises, 'fixed' never shifts.
+    """
+    if centering == "fixed" or not artifact.centered:
+        return specs
+    try:
+        positions = artifact.calibration.get("positions", "start")
+        if positions != "start":
+            raise OscarError(f"key_centering='rope' turns the key mean measured at positions [0, chunk), but this "
+                             f"artifact was calibrated with positions={positions!r}; recalibrate with "
+                             "--positions start or use key_centering='fixed'.")
+        block = int(artifact.calibration.get("chunk_tokens", 1024))
+        shifted = []
+        for spec, layer_type in zip(specs, layer_types):
+            if spec.k_mean is None:
+                shifted.append(spec)
+                continue
+            shifts = rope.mean_shifts(spec.k_mean, frequencies(layer_type), block, max_positions)
+            if spec.k_rotation is not None:
+                shifts = shifts @ spec.k_rotation.to(torch.float64)
+            shifted.append(replace(spec, k_mean_shifts=shifts.float(), shift_block=block))
+        return shifted
+    except OscarError:
+        if centering == "rope":
+            raise
+        return specs
 
 
 def _inject_cache(model: nn.Module, args, kwargs):
@@ -263,12 +273,8 @@ def patch_model(model: nn.Module, artifact: RotationArtifact, quant: QuantConfig
         absorb_value_transform(module, layer.v_rotation, layer.v_mean, shape.num_kv_heads, shape.num_heads)
     specs = layer_specs(artifact, quant, shape.layer_types, shape.sliding_window)
     max_positions = shape.max_positions or 32768
-    if cache.key_centering != "fixed" and artifact.centered:
-        try:
-            specs = with_key_shifts(specs, model, artifact, shape.layer_types, cache.max_context or max_positions)
-        except OscarError:
-            if cache.key_centering == "rope":
-                raise  # "auto" keeps the fixed mean where the turned one does not apply
+    specs = with_key_shifts(specs, cache.key_centering, artifact, shape.layer_types,
+                            cache.max_context or max_positions, lambda kind: rope.inverse_frequencies(model, kind))
     model.oscar = OscarState(artifact, quant, cache, specs, shape.num_kv_heads, shape.head_dim, max_positions)
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)

@@ -118,23 +118,6 @@ class _LayerState:
         return None if self.key_shifts is None else rope.shift_rows(self.key_shifts, positions, self.shift_block)
 
 
-def _key_shifts(settings: PluginSettings, spec: LayerSpec, head_dim: int, model_config) -> LayerSpec:
-    """The layer's spec with its RoPE-turned key shifts where key_centering asks for them and the
-    artifact and the model's config (vLLM's ModelConfig) allow them ("auto" keeps the fixed mean
-    elsewhere)."""
-    centering = settings.cache.key_centering
-    if centering == "fixed" or spec.k_mean is None:
-        return spec
-    try:
-        freqs = rope.config_inverse_frequencies(model_config.hf_config, head_dim)
-        return with_key_shifts([spec], None, settings.artifact, ["full_attention"], model_config.max_model_len,
-                               inv_freq=freqs)[0]
-    except OscarError:
-        if centering == "rope":
-            raise
-        return spec
-
-
 class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -161,7 +144,11 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
             index = extract_layer_index(layer.layer_name)
             artifact = settings.artifact
             specs = layer_specs(artifact, settings.quant, ["full_attention"] * len(artifact.layers), None)
-            spec = _key_shifts(settings, specs[index], self.head_size, self.model_config)
+            # RoPE-turned key shifts from the config's plain RoPE frequencies (no rotary module here)
+            spec = with_key_shifts([specs[index]], settings.cache.key_centering, artifact, ["full_attention"],
+                                   self.model_config.max_model_len,
+                                   lambda kind: rope.config_inverse_frequencies(self.model_config.hf_config,
+                                                                                self.head_size))[0]
             cells = CellFormat(self.head_size, spec.quant.group_size, spec.bits,
                                cell_bytes=_cell_bytes(settings, self.head_size))
             cache = settings.cache
