@@ -126,6 +126,17 @@ def test_rope_centering_keeps_far_keys_as_well_centered_as_near_ones():
     assert turned < 0.3 * fixed, (turned, fixed)
 
 
+def test_calibration_drift_check_scores_the_turned_mean():
+    """The drift check re-scores the far chunk with the mean turned to its positions: back to the near error."""
+    artifact = _calibrated(_drifting_bias_model())
+    assert artifact.calibration["drift_check_offset"] == 512 - CHUNK
+    centered = [layer.choice for layer in artifact.layers if layer.k_mean is not None]
+    assert centered
+    for choice in centered:
+        assert choice["error_k_far"] > 3 * choice["error_k_far_rope"], choice
+        assert choice["error_k_far_rope"] < 1.5 * choice["error_k"], choice
+
+
 def test_paged_cache_shifts_far_keys_as_the_reference_cache_does():
     """The paged cache (its torch reference here, the kernels on a GPU) with key_centering="rope"."""
     model = _drifting_bias_model(head_dim=64)

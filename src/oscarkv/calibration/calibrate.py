@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .. import rope
 from ..config import CacheConfig, QuantConfig
 from ..errors import CalibrationError, OscarError
 from ..methods import data_free_artifact
@@ -104,6 +105,18 @@ def position_offsets(count: int, chunk_tokens: int, max_positions: int) -> list[
     return [round(i * room / (count - 1)) for i in range(count)]
 
 
+def _turned_mean(model, mean: torch.Tensor | None, layer_type: str, offset: int) -> torch.Tensor | None:
+    """The key mean turned by RoPE to `offset` (what key_centering="rope" centers there), or None
+    where the layer is not centered or the model's RoPE frequencies are not known."""
+    if mean is None:
+        return None
+    try:
+        freqs = rope.inverse_frequencies(model, layer_type)
+    except OscarError:
+        return None
+    return rope.turn(mean.double(), offset * freqs).to(mean.dtype)
+
+
 def far_offset(config: CalibrationConfig, max_positions: int) -> int:
     """Where the drift check runs the held-apart chunk again: the last chunk of the model's
     context; 0 (no check) for spread positions or when the context is under 4 chunks long."""
@@ -186,10 +199,16 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
                 # Drift check: the same tokens at the end of the context. The key mean is taken
                 # after RoPE, so a key offset that turns with position (a k_proj bias, or any
                 # pre-RoPE mean) is no longer removed there, and the INT2 keys pay for it.
+                # With key_centering="rope" (the cache's default) the mean is turned by RoPE to the
+                # check's offset, R(far)·μ_K: "error_k_far_rope" is that error.
                 def score_far(layer: int, q, k, v) -> None:
                     sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
-                    layers[layer].choice["error_k_far"] = chosen_key_error(layers[layer], q[0], k[0], v[0], quant,
-                                                                           cache, sliding)
+                    choice = layers[layer].choice
+                    choice["error_k_far"] = chosen_key_error(layers[layer], q[0], k[0], v[0], quant, cache, sliding)
+                    turned = _turned_mean(model, layers[layer].k_mean, shape.layer_types[layer], far)
+                    if turned is not None:
+                        choice["error_k_far_rope"] = chosen_key_error(layers[layer], q[0], k[0], v[0], quant, cache,
+                                                                      sliding, turned)
 
                 collector.on_layer = score_far
                 _run(model, [held_apart], collector, progress, [far])

@@ -147,12 +147,14 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
 
 
 def chosen_key_error(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
-                     sliding_window: int | None = None) -> float:
+                     sliding_window: int | None = None, mean: torch.Tensor | None = None) -> float:
     """Predicted INT2 key error of the layer's chosen centering, transform and clip on other tokens.
 
-    q: [Hq, T, d], k, v: [Hkv, T, d]; the layer must have been through `choose_layer`."""
+    q: [Hq, T, d], k, v: [Hkv, T, d]; the layer must have been through `choose_layer`. mean: the
+    key mean to center by instead of the layer's (e.g. turned by RoPE to the tokens' positions)."""
     scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size, sliding_window)
-    return scorer.key_error(layer.k_rotation.double(), layer.k_mean, layer.choice["clip_k"], 2)
+    return scorer.key_error(layer.k_rotation.double(), layer.k_mean if mean is None else mean,
+                            layer.choice["clip_k"], 2)
 
 
 def held_tokens(shape, cache, context: int) -> tuple[list[int], list[int]]:
