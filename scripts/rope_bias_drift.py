@@ -9,7 +9,7 @@ groups must then cover.
 With --spread N the mean is taken as `calibrate --positions spread` takes it: over positions
 spread evenly from 0 to N - chunk (the chunk starts; their inner positions add little).
 
-    python scripts/rope_bias_drift.py MODEL.gguf [--theta 1e6] [--chunk 1024] [--head-dim 128] [--layers 0,1,13,27]
+    PYTHONPATH=src python scripts/rope_bias_drift.py MODEL.gguf [--theta 1e6] [--chunk 1024] [--head-dim 128] [--layers 0,1,13,27]
                                       [--spread 32768]
 """
 
@@ -18,17 +18,17 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import torch
 from gguf import GGUFReader
+
+from oscarkv.rope import turn
 
 POSITIONS = (512, 4096, 8192, 16384, 20000, 24000, 28000, 32000)
 
 
 def rope(vector: np.ndarray, position: int, inverse_frequencies: np.ndarray) -> np.ndarray:
-    """RoPE in the rotate-half layout of Hugging Face models: channel i pairs with i + d/2."""
-    angle = position * inverse_frequencies
-    half = vector.shape[0] // 2
-    x1, x2 = vector[:half], vector[half:]
-    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)])
+    """`oscarkv.rope.turn` (the rotate-half layout of Hugging Face models) on numpy float64 vectors."""
+    return turn(torch.from_numpy(vector), torch.from_numpy(position * inverse_frequencies)).numpy()
 
 
 def main() -> None:
