@@ -9,6 +9,7 @@ from oscarkv.calibration.artifact import RotationArtifact
 from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
 from oscarkv.calibration.selection import apply_budget
 from oscarkv.errors import ArtifactError, CalibrationError
+from oscarkv.integrations.transformers import layer_specs
 from oscarkv.models import attention_shape
 from tiny_models import VOCAB, tiny_model
 
@@ -105,8 +106,10 @@ def test_budget_moves_the_worst_layers_to_int4_and_the_cache_shows_it():
     budget = artifact.calibration["budget"]
     summary = apply_budget(artifact, shape, SMALL, budget["pure_int2_bits_per_element"] + 1.0, 32768)
     assert summary["int4_layers"] and summary["bits_per_element"] <= summary["max_bits"] + 1e-9
-    errors = [layer.choice["error_k"] + layer.choice["error_v"] for layer in artifact.layers]
-    assert max(errors[i] for i in summary["int4_layers"]) == max(errors) or len(summary["int4_layers"]) > 0
+    for layer in artifact.layers:  # an INT4 layer is scored at its own clip, never worse than at its INT2 one
+        c = layer.choice
+        assert c["clip_k_int4"] in CONFIG.clip_grid_k and c["clip_v_int4"] in CONFIG.clip_grid_v
+        assert c["error_k_int4"] < c["error_k"] and c["error_v_int4"] < c["error_v"]
     oscarkv.patch(model, artifact, cache=SMALL)
     cache = model.oscar.new_cache()
     with torch.no_grad():
@@ -116,6 +119,21 @@ def test_budget_moves_the_worst_layers_to_int4_and_the_cache_shows_it():
         stored = layer.history_k.stored()
         assert stored.bits == (4 if i in summary["int4_layers"] else 2)
         assert stored.packed.shape[-1] == 32 * stored.bits // 8
+
+
+def test_budget_buys_the_most_error_removed_per_bit_and_int4_layers_use_their_own_clip():
+    model, artifact = _calibrated("llama", max_bits=0)
+    shape = attention_shape(model)
+    first, second = artifact.layers[:2]
+    # Layer 0 has the larger INT2 error but INT4 barely helps it; layer 1 gains most from INT4.
+    first.choice.update(error_k=1.0, error_v=0.0, error_k_int4=0.9, error_v_int4=0.0, clip_k=0.9, clip_k_int4=0.0)
+    second.choice.update(error_k=0.5, error_v=0.0, error_k_int4=0.01, error_v_int4=0.0, clip_k=0.9, clip_k_int4=0.0)
+    pure = artifact.calibration["budget"]["pure_int2_bits_per_element"]
+    summary = apply_budget(artifact, shape, SMALL, pure + 1.01 * second.choice["int4_cost_bits"], 32768)
+    assert second.choice["int4_cost_bits"] > 0 and summary["int4_layers"] == [1]
+    specs = layer_specs(artifact, QUANT, shape.layer_types, shape.sliding_window)
+    assert specs[1].bits == 4 and specs[1].quant.clip_ratio_k == 0.0  # the INT4 clip
+    assert specs[0].bits == 2 and specs[0].quant.clip_ratio_k == 0.9  # the INT2 one
 
 
 def test_budget_below_pure_int2_is_refused():

@@ -94,8 +94,8 @@ def print_calibration_report(artifact) -> None:
         c = layer.choice
         rows.append({
             "layer": str(i),
-            "k": f"{'c-' if c['k_centered'] else ''}{c['k_transform']}@{c['clip_k']:g}",
-            "v": f"{'c-' if c['v_centered'] else ''}{c['v_transform']}@{c['clip_v']:g}",
+            "k": f"{'c-' if c['k_centered'] else ''}{c['k_transform']}@{layer.clip('k', 0.0):g}",
+            "v": f"{'c-' if c['v_centered'] else ''}{c['v_transform']}@{layer.clip('v', 0.0):g}",
             "bits": c["bits"], "error": predicted_error(c), "int2": c["error_k"] + c["error_v"],
             "int4": c["error_k_int4"] + c["error_v_int4"], "int4_cost": c.get("int4_cost_bits"),
             "paper": (c["paper_error_k"] or 0.0) + (c["paper_error_v"] or 0.0),

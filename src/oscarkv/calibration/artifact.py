@@ -75,12 +75,21 @@ class LayerRotation:
     v_mean: torch.Tensor | None = None  # [Hkv, d], folded into the v_proj / o_proj biases
     paper_k_rotation: torch.Tensor | None = None
     paper_v_rotation: torch.Tensor | None = None
-    # k_transform, v_transform, clip_k, clip_v, bits, and predicted errors (see calibration.selection)
+    # k_transform, v_transform, clip_k, clip_v (at INT2), clip_k_int4, clip_v_int4, bits, and predicted
+    # errors (see calibration.selection)
     choice: dict = field(default_factory=dict)
 
     @property
     def bits(self) -> int:
         return int(self.choice.get("bits", 2))
+
+    def clip(self, kind: str, default: float) -> float:
+        """The clip ratio of stream `kind` ("k" or "v") at the layer's bits: an INT4 layer uses its
+        own (`clip_k_int4`; artifacts from before it existed use the INT2 one); `default` where the
+        artifact chose none."""
+        if self.bits == 4 and f"clip_{kind}_int4" in self.choice:
+            return float(self.choice[f"clip_{kind}_int4"])
+        return float(self.choice.get(f"clip_{kind}", default))
 
 
 @dataclass

@@ -131,12 +131,17 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
         # The paper method is one of the candidates when its clip ratio is on the grid.
         paper_key = (False, "oscar", paper_clip)
         paper_error = scored[paper_key] if paper_key in scored else error(paper.double(), None, paper_clip, 2)
+        # An INT4 fallback layer keeps the transform but takes its own clip: a clip that pays at
+        # INT2 (where the grid is coarse) mostly costs accuracy at INT4.
+        int4 = {c: error(rotation, mean if centered else None, c, 4) for c in grid}
+        clip_int4 = min(int4, key=int4.get)
         choice.update({
             f"{kind}_centered": centered,
             f"{kind}_transform": name,
             f"clip_{kind}": clip,
             f"error_{kind}": best,
-            f"error_{kind}_int4": error(rotation, mean if centered else None, clip, 4),
+            f"clip_{kind}_int4": clip_int4,
+            f"error_{kind}_int4": int4[clip_int4],
             f"paper_error_{kind}": paper_error,
             f"candidates_{kind}": {f"{'c' if c else 'u'}:{n}@{cl:g}": e for (c, n, cl), e in scored.items()},
         })
@@ -171,7 +176,7 @@ def held_tokens(shape, cache, context: int) -> tuple[list[int], list[int]]:
 
 
 def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -> dict:
-    """Move the layers with the largest predicted INT2 error to INT4 while the cache stays within budget.
+    """Move the layers whose INT4 removes the most predicted error per bit to INT4 while the cache stays within budget.
 
     max_bits: None = pure INT2 + 0.25 bits per element; 0 = pure INT2. Counted in bytes over what
     each layer really holds at `context` tokens. Records and returns the budget summary.
@@ -203,15 +208,19 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
     if any("error_k" not in layer.choice for layer in layers):
         raise CalibrationError("this artifact has no per-layer errors to apply a bit budget to; re-run "
                                "`oscarkv calibrate` with the default method 'oscar'.")
-    order = sorted(range(len(layers)), key=lambda i: -(layers[i].choice["error_k"] + layers[i].choice["error_v"]))
+    # Greedy by predicted error removed per bit spent (a sliding-window layer holds fewer tokens,
+    # so it costs less): the layers whose INT4 buys the most go first.
+    extra = [cost([4 if j == i else 2 for j in range(len(layers))]) - pure for i in range(len(layers))]
+    gain = [predicted_error(dict(layer.choice, bits=2)) - predicted_error(dict(layer.choice, bits=4))
+            for layer in layers]
+    order = sorted(range(len(layers)), key=lambda i: -gain[i] / max(extra[i], 1e-12))
     for i in order:
         bits[i] = 4
         if cost(bits) > budget + 1e-9:
             bits[i] = 2
-    for i, (layer, b) in enumerate(zip(layers, bits)):
+    for layer, b, bits_extra in zip(layers, bits, extra):
         layer.choice["bits"] = b
-        alone = [4 if j == i else 2 for j in range(len(layers))]
-        layer.choice["int4_cost_bits"] = cost(alone) - pure
+        layer.choice["int4_cost_bits"] = bits_extra
     summary = {
         "max_bits": budget,
         "context": context,

@@ -178,8 +178,8 @@ def layer_specs(artifact: RotationArtifact, quant: QuantConfig, layer_types, sli
     specs = []
     for layer, layer_type in zip(artifact.layers, layer_types):
         choice = layer.choice
-        layer_quant = replace(quant, clip_ratio_k=choice.get("clip_k", quant.clip_ratio_k),
-                              clip_ratio_v=choice.get("clip_v", quant.clip_ratio_v))
+        layer_quant = replace(quant, clip_ratio_k=layer.clip("k", quant.clip_ratio_k),
+                              clip_ratio_v=layer.clip("v", quant.clip_ratio_v))
         identity = choice.get("k_transform", artifact.method) == "identity"
         specs.append(LayerSpec(
             k_rotation=None if identity else layer.k_rotation,
