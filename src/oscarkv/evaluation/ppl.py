@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from ..calibration.calibrate import token_chunks
 from ..config import CacheConfig, QuantConfig
 from ..errors import InputTooLongError, OscarError
-from ..integrations.transformers import patch_model
+from ..integrations.transformers import cache_keyword, patch_model
 from ..methods import method_setup
 from ..models import attention_shape
 
@@ -50,7 +50,7 @@ def window_nll(model, window: torch.Tensor, scored_from: int) -> tuple[float, in
     cache = model.oscar.new_cache()
     with torch.no_grad():
         # Logits only where they are scored: the LM head is a large share of a small model's forward.
-        logits = model(window[None].to(device), past_key_values=cache, use_cache=True,
+        logits = model(window[None].to(device), **{cache_keyword(model): cache}, use_cache=True,
                        logits_to_keep=window.numel() - scored_from).logits[0]
     targets = window[scored_from + 1 :].to(device)
     nll = torch.nn.functional.cross_entropy(logits[:-1].float(), targets, reduction="sum")

@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 
 from ..errors import OscarError
 from .slots import DenseSlotCache, PagedSlotCache
+from .transformers import cache_keyword
 
 SlotCache = PagedSlotCache | DenseSlotCache
 
@@ -50,7 +51,7 @@ def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Te
     starts = torch.tensor([cache.length(s) for s in slots], dtype=torch.long)
     positions = (starts[:, None] + torch.arange(n)[None]).to(input_ids.device)
     cache.set_batch(slots)
-    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+    out = model(input_ids=input_ids, position_ids=positions, **{cache_keyword(model): cache}, use_cache=True,
                 logits_to_keep=1)
     cache.advance(n)
     return out.logits[:, -1].float()
@@ -109,7 +110,7 @@ class StaticDecoder:
         return buffers.tokens
 
     def _step(self, buf: _StepBuffers) -> None:
-        logits = self.model(input_ids=buf.ids, position_ids=buf.positions, past_key_values=self.cache,
+        logits = self.model(input_ids=buf.ids, position_ids=buf.positions, **{cache_keyword(self.model): self.cache},
                             use_cache=True, logits_to_keep=1).logits
         chosen = logits[:, -1].argmax(dim=-1, keepdim=True)
         buf.tokens.index_copy_(1, buf.counter, chosen)
@@ -175,7 +176,8 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         self.cache.bind_step(self.slots[:b], self.lengths[:b], self.cu_new[:b + 1])
         try:
-            return self.model(input_ids=self.ids[:b], position_ids=self.positions[:b], past_key_values=self.cache,
+            return self.model(input_ids=self.ids[:b], position_ids=self.positions[:b],
+                              **{cache_keyword(self.model): self.cache},
                               use_cache=True, logits_to_keep=1).logits[:, -1]
         finally:
             self.cache.unbind_step()

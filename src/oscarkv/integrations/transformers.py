@@ -16,6 +16,8 @@ so (qR)(kR)ᵀ = qkᵀ and keys are never rotated back.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 from dataclasses import dataclass, replace
 
@@ -225,23 +227,40 @@ def with_key_shifts(specs: list[LayerSpec], centering: str, artifact: RotationAr
         return specs
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword under which the model's forward takes its KV cache: "cache" from transformers
+    5.24 (which renamed it), "past_key_values" before."""
+    return _forward_cache_keyword(type(model))
+
+
+@functools.cache
+def _forward_cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _given_cache(kwargs: dict):
+    """The cache a caller passed under either keyword (transformers 5.24 still accepts the old one)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
 def _inject_cache(model: nn.Module, args, kwargs):
     """Forward pre-hook: use an OscarCache where the caller passed none; record padding."""
-    cache = kwargs.get("past_key_values")
+    cache = _given_cache(kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
     if cache is None and use_cache:
         cache = model.oscar.new_cache(model.device)
-        kwargs["past_key_values"] = cache
+        kwargs[cache_keyword(model)] = cache
     if isinstance(cache, (OscarCache, PagedOscarCache)) and cache.get_seq_length() == 0:
         cache.set_padding(kwargs.get("attention_mask"))
     return args, kwargs
 
 
 def _prepare_cache_with_oscar(self, generation_config, model_kwargs, *args, **kwargs):
-    if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-        model_kwargs["past_key_values"] = self.oscar.new_cache(self.device)
+    if _given_cache(model_kwargs) is None and generation_config.use_cache is not False:
+        model_kwargs[cache_keyword(self)] = self.oscar.new_cache(self.device)
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
 
