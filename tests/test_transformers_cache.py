@@ -95,6 +95,31 @@ def test_left_padded_batch_matches_single_rows(family):
     assert (batched[1, 13:] - alone_b[0]).abs().max() < 1e-9
 
 
+def test_the_cache_hooks_take_the_cache_under_either_keyword():
+    """transformers 5.24 renamed forward's `past_key_values` to `cache`; a cache passed under either
+    name is used as it is, and a missing one is created under the name the installed version takes."""
+    import inspect
+
+    from oscarkv.integrations.transformers import _inject_cache, _prepare_cache_with_oscar, cache_keyword
+
+    model = tiny_model("llama")
+    oscarkv.patch(model, method="naive", quant=QuantConfig(group_size=16), cache=CacheConfig(**SMALL))
+    name = cache_keyword(model)
+    assert name in inspect.signature(type(model).forward).parameters
+    for given in ("cache", "past_key_values"):
+        mine = model.oscar.new_cache()
+        _, kwargs = _inject_cache(model, (), {given: mine})
+        assert kwargs == {given: mine}
+        model_kwargs = {given: mine}
+        try:
+            _prepare_cache_with_oscar(model, model.generation_config, model_kwargs)
+        except TypeError:  # transformers' own preparation, called after ours, needs arguments not given here
+            pass
+        assert model_kwargs == {given: mine}
+    _, kwargs = _inject_cache(model, (), {})
+    assert list(kwargs) == [name] and isinstance(kwargs[name], OscarCache)
+
+
 def test_generate_uses_the_int2_cache_and_matches_stepwise_decoding():
     model = tiny_model("llama", dtype=torch.float64)
     oscarkv.patch(model, _random_artifact(model), cache=CacheConfig(window_dtype=torch.float64, **SMALL))
