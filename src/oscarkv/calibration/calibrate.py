@@ -3,8 +3,9 @@
 Methods:
     oscar        the product (SPEC §6): keys and values centered by their calibration means;
                  per layer, K and V each take the best of identity / Hadamard / OSCAR and of a
-                 small clip grid by attention-output error on held-apart tokens; the layers with
-                 the most predicted error removed per bit move to INT4 (each stream then takes its own clip) while the cache stays within the bit budget
+                 small clip grid by attention-output error on held-apart tokens; the layers whose
+                 INT4 (at a clip chosen for INT4) removes the most predicted error per bit move to
+                 INT4 while the cache stays within the bit budget
     oscar-paper  SPEC §1 exactly: R_K = U_Q·H·P_br (C_Q pooled over GQA groups),
                  R_V = U_S·H·P_br (C_S with weights k C_Q kᵀ), no centering, INT2 everywhere
     ktk          like oscar-paper, but R_K from the key covariance KᵀK (ablation)

@@ -176,7 +176,7 @@ def held_tokens(shape, cache, context: int) -> tuple[list[int], list[int]]:
 
 
 def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -> dict:
-    """Move the layers whose INT4 removes the most predicted error per bit to INT4 while the cache stays within budget.
+    """Move to INT4 the layers whose INT4 removes the most predicted error per bit, within the budget.
 
     max_bits: None = pure INT2 + 0.25 bits per element; 0 = pure INT2. Counted in bytes over what
     each layer really holds at `context` tokens. Records and returns the budget summary.
