@@ -25,6 +25,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--registers", default="none,168,128", help="register caps to try (none: no cap)")
     parser.add_argument("--stages", default="2,3", help="pipeline stages to try")
+    parser.add_argument("--splits", default=None,
+                        help="total splits to try per shape, e.g. 1x131072=66,132;32x32768=3,5,10 "
+                             "(default: the chosen count and half of it)")
     args = parser.parse_args()
     copy = copy_bandwidth_gbs(torch.device("cuda"))
     print(f"copy bandwidth {copy:.0f} GB/s")
@@ -37,6 +40,10 @@ def main() -> None:
         expected = reference.attention_reference(layer, step, q, k, v, scale)
         chosen = choose_splits(layer, batch, 1, 32, context, q.device)
         split_options = sorted({chosen, max(2, chosen // 2)})
+        if args.splits:
+            given = dict(item.split("=") for item in args.splits.split(";"))
+            if shape in given:
+                split_options = sorted(int(x) for x in given[shape].split(","))
         caps = [None if r == "none" else int(r) for r in args.registers.split(",")]
         grid = itertools.product(caps, [int(x) for x in args.stages.split(",")], split_options)
         if args.quick:

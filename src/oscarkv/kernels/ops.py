@@ -132,6 +132,7 @@ def split_count(programs: int, tokens: int, device: torch.device) -> int:
 
 
 MAX_HISTORY_SPLITS = 128
+PROGRAMS_PER_MULTIPROCESSOR = 8  # decode history programs per multiprocessor (`choose_splits`)
 SMALL_BATCH_WINDOW_SPLITS = 4
 
 
@@ -152,17 +153,23 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
                   device: torch.device) -> int:
     """Splits of the INT2 kernel's grid (history splits + window splits; see the kernel).
 
-    Decode: the history of each (sequence, KV head) is split so that the one-warp programs fill the
-    GPU about 16 times over, with at most 128 splits and at least one page each: a single one-warp
-    program reads only about one page per 3 µs (a serial chain of loads and dots), so short splits
-    are what makes batch 1 fast (measured on the H100 with scripts/tune_attention.py). Prefill and
-    extend keep `split_count`."""
+    Decode: the history of each (sequence, KV head) is split into as many parts as keep the one-warp
+    programs at about 8 per multiprocessor, one resident wave (9 fit), with at most 128 splits and
+    at least one page each. A single one-warp program reads only about one page per 3 µs (a serial
+    chain of loads and dots), so short splits are what makes batch 1 fast; a second, partial wave
+    costs more than the longer splits save (32x32K on the H100: 4 history splits 291 µs, 5 splits
+    366 µs, 7 splits 326 µs). When one wave would be less than 6 programs per multiprocessor
+    (large batches), the history takes about two waves instead (81x32K: 1 split 1070 µs, 4 splits
+    738 µs; scripts/tune_attention.py). Prefill and extend keep `split_count`."""
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
     tokens = max_context - layer.layout.sink_tokens
     if m_blocks > 1:
         return split_count(programs, tokens, device)
     sms = _multiprocessor_count(device)
-    history = 1 if programs >= 8 * sms else max(1, min(-(-16 * sms // programs), tokens // 64, MAX_HISTORY_SPLITS))
+    history = PROGRAMS_PER_MULTIPROCESSOR * sms // programs  # one resident wave
+    if 0 < history and history * programs < 6 * sms:  # that wave would leave a quarter idle: take two
+        history = -(-2 * PROGRAMS_PER_MULTIPROCESSOR * sms // programs)
+    history = max(1, min(history, tokens // 64, MAX_HISTORY_SPLITS))
     return history + _window_splits(programs, history, sms)
 
 

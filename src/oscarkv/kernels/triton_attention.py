@@ -265,7 +265,7 @@ def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qsum0, qsum1, qsum2, 
 @triton.jit
 def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, acc, alpha, v0, v1, vh0, vh1,
                    D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """acc·alpha + (weights of slice s's group) · (value codes of slice s)."""
+    """acc + (weights of slice s's group) · (value codes of slice s)."""
     if BITS == 2:
         g: tl.constexpr = (s % 4) * NG // 4
     else:
@@ -278,24 +278,40 @@ def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, acc, alpha, v0, v1, vh0,
         weight = wz2
     else:
         weight = wz3
-    return tl.dot(weight, _slice_codes(v0, v1, vh0, vh1, s, BITS, ASM), acc * alpha[:, None])
+    return tl.dot(weight, _slice_codes(v0, v1, vh0, vh1, s, BITS, ASM), acc)
 
 
 @triton.jit
-def _sliced_history_step(s, visible, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
                          vc_ptr, vs_ptr, vz_ptr, row0, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
                          BITS: tl.constexpr, ASM: tl.constexpr):
     """Online-softmax step over one page of quantized values (sliced path). acc_s holds
-    Σ p·s·c·mult_s in units of 2^-24 and z_g holds Σ p·s·z of group g."""
-    m_new, p, alpha, l = _softmax_weights(s, visible, m, l)
+    Σ p·s·c·mult_s in units of 2^-24 and every column of z_g [BLOCK_M, 16] holds Σ p·s·z of group g.
+    s: masked scores. The sums are rescaled only when a row's running max grows."""
+    m_new, p, alpha, l = _softmax_weights(s, None, m, l)
     v0, v1, vh0, vh1 = _page_words(vc_ptr, row0, P, D, BITS, ASM)
-    w0, z0 = _weighted_codes(p, alpha, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
+    if tl.max((m_new > m).to(tl.int32), 0) > 0:  # alpha is exactly 1 on rows whose max held
+        z0 *= alpha[:, None]
+        if NG >= 2:
+            z1 *= alpha[:, None]
+        if NG == 4:
+            z2 *= alpha[:, None]
+            z3 *= alpha[:, None]
+        acc0 *= alpha[:, None]
+        acc1 *= alpha[:, None]
+        acc2 *= alpha[:, None]
+        acc3 *= alpha[:, None]
+        acc4 *= alpha[:, None]
+        acc5 *= alpha[:, None]
+        acc6 *= alpha[:, None]
+        acc7 *= alpha[:, None]
+    w0, z0 = _weighted_codes_mma(p, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
     w1, w2, w3 = w0, w0, w0
     if NG >= 2:
-        w1, z1 = _weighted_codes(p, alpha, z1, vs_ptr, vz_ptr, row0, 1, NG, P)
+        w1, z1 = _weighted_codes_mma(p, z1, vs_ptr, vz_ptr, row0, 1, NG, P)
     if NG == 4:
-        w2, z2 = _weighted_codes(p, alpha, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
-        w3, z3 = _weighted_codes(p, alpha, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
+        w2, z2 = _weighted_codes_mma(p, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
+        w3, z3 = _weighted_codes_mma(p, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
     acc0 = _sliced_values(0, w0, w1, w2, w3, acc0, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
     acc1 = _sliced_values(1, w0, w1, w2, w3, acc1, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
     acc2 = _sliced_values(2, w0, w1, w2, w3, acc2, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
@@ -354,7 +370,8 @@ def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2,
 def _softmax_weights(s, visible, m, l):
     """Base-2 online softmax over one key block: the new running max, the block's probabilities
     p = 2^(s - max), the factor alpha that rescales the earlier sums, and the new sum l."""
-    s = tl.where(visible, s, float("-inf"))
+    if visible is not None:  # None: s is masked already
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -369,6 +386,19 @@ def _weighted_codes(p, alpha, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: t
     scale, zero = _page_params(vs_ptr, vz_ptr, row0, g, NG, P)
     weight = (p * scale[None, :]).to(tl.float16)
     return weight, corr * alpha + tl.sum(weight.to(tl.float32) * zero[None, :], 1)
+
+
+@triton.jit
+def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr):
+    """As `_weighted_codes` for the sliced path, with the zero correction on the tensor cores:
+    corr [BLOCK_M, 16] += weight · z (z broadcast over 16 columns; every column holds the same
+    sums). The products of two float16 are exact in float32, so the correction still cancels the
+    zero term of the value dots exactly. corr is rescaled by the caller."""
+    at = (row0 + tl.arange(0, P)) * NG + g
+    scale = tl.load(vs_ptr + at).to(tl.float32)
+    zero = tl.load(vz_ptr + at)
+    weight = (p * scale[None, :]).to(tl.float16)
+    return weight, tl.dot(weight, tl.broadcast_to(zero[:, None], (P, 16)), corr)
 
 
 @triton.jit
@@ -560,10 +590,10 @@ def _paged_attention_kernel(
         acc5 = tl.zeros([BLOCK_M, U], tl.float32)
         acc6 = tl.zeros([BLOCK_M, U], tl.float32)
         acc7 = tl.zeros([BLOCK_M, U], tl.float32)
-        z0 = tl.zeros([BLOCK_M], tl.float32)
-        z1 = tl.zeros([BLOCK_M], tl.float32)
-        z2 = tl.zeros([BLOCK_M], tl.float32)
-        z3 = tl.zeros([BLOCK_M], tl.float32)
+        z0 = tl.zeros([BLOCK_M, 16], tl.float32)  # zero corrections, every column the same
+        z1 = tl.zeros([BLOCK_M, 16], tl.float32)
+        z2 = tl.zeros([BLOCK_M, 16], tl.float32)
+        z3 = tl.zeros([BLOCK_M, 16], tl.float32)
         share = tl.cdiv(history_pages, PAGE_SPLITS)
         lo = history_split * share
         hi = tl.minimum(lo + share, history_pages)
@@ -579,16 +609,19 @@ def _paged_attention_kernel(
                                ks_ptr, kz_ptr, row0, P, D, NG, BITS, ASM)
             if KEY_SHIFTS:
                 s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None]
-            # Padding rows have zero queries, so finite scores; their outputs are never stored.
+            # Padding rows have zero queries, so finite scores; their outputs are never stored. A page
+            # id out of range was read as page 0 and is masked here. Without a window the mask is
+            # one scalar bias: a [BLOCK_M, P] mask tile costs ~140 instructions per page.
             if window > 0:
                 hist_pos = S + index * P + tl.arange(0, P)
-                visible = page_ok & (query_pos[:, None] - hist_pos[None, :] < window)
+                s = tl.where(page_ok & (query_pos[:, None] - hist_pos[None, :] < window), s, float("-inf"))
             else:
-                visible = tl.full([BLOCK_M, P], 1, tl.int1) & page_ok
+                s += tl.where(page_ok, 0.0, float("-inf"))
             m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
-                s, visible, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+                s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
                 vc_ptr, vs_ptr, vz_ptr, row0, P, D, NG, BITS, ASM)
-        a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+        a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, tl.max(z0, 1),
+                                          tl.max(z1, 1), tl.max(z2, 1), tl.max(z3, 1),
                                           D, NG, BITS)
     elif has_history:
         # Sums of the rounded query quarters, for the zero points (see _group_scores).
@@ -713,23 +746,20 @@ def _maxnreg_supported() -> bool:
     return "maxnreg" in CUDAOptions.__dataclass_fields__
 
 
-HISTORY_REGISTERS = 168  # register cap of the one-warp history programs (see launch_attention)
-
-
 def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: int, num_splits: int,
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
-                     maxnreg: int | None = -1, window_splits: int = 1) -> None:
+                     maxnreg: int | None = None, window_splits: int = 1) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
     that the history programs get their own small footprint: num_warps (None: one warp when a
     program's query rows fit one block and there are at least four programs per multiprocessor,
-    else four), num_stages of load pipelining, and a register cap `maxnreg` (-1: 168 for one
-    warp, where the compiler supports it; None: no cap). The cap trades 30 registers for
-    occupancy: 12 instead of 10 one-warp programs per multiprocessor; measured on the H100 with
-    scripts/tune_attention.py (32x32K: 377 µs capped, 456 µs uncapped). Without splits (prefill:
-    `choose_splits` gives decode at least two) one launch does everything with two stages."""
+    else four), num_stages of load pipelining, and an optional register cap `maxnreg` (None: the
+    compiler's choice, about 206 registers, 9 one-warp programs per multiprocessor; a cap of 168
+    was the default until 2026-11-24 and is now 0-4% slower, measured on the H100 with
+    scripts/tune_attention.py). Without splits (prefill: `choose_splits` gives decode at least two)
+    one launch does everything with two stages."""
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads
@@ -758,9 +788,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1))
     if num_splits > 1 and separate_windows:
         ws = shape["WINDOW_SPLITS"]
-        if maxnreg == -1:
-            maxnreg = HISTORY_REGISTERS if num_warps == 1 and cuda and _maxnreg_supported() else None
-        registers = {} if maxnreg is None else dict(maxnreg=maxnreg)
+        registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and _maxnreg_supported() else {}
         _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits - ws)](
             *args, **shape, REGIONS=1, num_warps=num_warps, num_stages=num_stages, **registers)
         _paged_attention_kernel[(b * lay.kv_heads, m_blocks, ws)](

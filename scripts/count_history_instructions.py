@@ -1,0 +1,81 @@
+"""Developer tool (no GPU needed): count the SASS instructions of the decode kernel's history loop.
+
+Compiles `_paged_attention_kernel` for the history launch (REGIONS=1) of the benchmark shape
+(32 query / 8 KV heads, D = 128, group 128, INT2, one warp) down to an sm_90 cubin with the ptxas of
+the installed Triton, disassembles it with Triton's nvdisasm, and counts the instructions between
+the history loop's label and its backward branch, by opcode. Pointer arguments get the 16-byte
+divisibility that the JIT gives real tensors, so the loads vectorise as they do on the GPU.
+
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/count_history_instructions.py [--stages 3] [--maxnreg N]
+
+The count is static: both sides of a branch inside the loop are counted (the sliding-window mask
+and the rare rescale of the accumulators); the branches are listed so they can be subtracted.
+Use the Triton version of the GPU (3.6 on the H100 machine) for figures that match it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from oscarkv.kernels import triton_attention
+from oscarkv.kernels.compile_check import ATTENTION_TYPES
+
+INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
+
+
+def compile_history_kernel(stages: int, maxnreg: int | None) -> bytes:
+    fn = triton_attention._paged_attention_kernel
+    constexprs = dict(HQ=32, HKV=8, D=128, NG=1, BITS=2, P=64, S=64, R=256, NUM_SPLITS=17, BLOCK_M=16,
+                      BLOCK_N=64, SINK_BLOCK=64, ASM=True, REGIONS=1, WINDOW_SPLITS=4, KEY_SHIFTS=False,
+                      SHIFT_BLOCK=1024)
+    signature = {name: "constexpr" if name in constexprs else ATTENTION_TYPES[name] for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if name not in constexprs and signature[name].startswith("*")}
+    options = dict(num_warps=1, num_stages=stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    kernel = compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                     options=options)
+    return kernel.asm["cubin"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--maxnreg", type=int, default=None)
+    args = parser.parse_args()
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = pathlib.Path(tmp) / "history.cubin"
+        cubin.write_bytes(compile_history_kernel(args.stages, args.maxnreg))
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout.splitlines()
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
+                               capture_output=True, text=True).stdout
+    labels = {m.group(1): i for i, line in enumerate(sass) if (m := LABEL.match(line.strip()))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(sass)
+             if (m := BRANCH.search(line)) and m.group(1) in labels and labels[m.group(1)] < i]
+    start, end = max(loops, key=lambda span: span[1] - span[0])  # the history loop is the largest
+    ops = collections.Counter(m.group(1) for line in sass[start:end + 1] if (m := INSTRUCTION.match(line)))
+    print(f"Triton {triton.__version__}, sm_90, {args.stages} stages, maxnreg {args.maxnreg}")
+    print("registers:", re.search(r"REG:(\d+)", usage).group(1))
+    print("history loop instructions:", sum(ops.values()))
+    print("by opcode:", ", ".join(f"{op} {n}" for op, n in ops.most_common()))
+    for i in range(start, end + 1):  # branches inside the loop, with the instructions they jump over
+        m = BRANCH.search(sass[i])
+        if m and m.group(1) in labels and start < labels[m.group(1)] <= end:
+            skipped = sum(1 for line in sass[i + 1:labels[m.group(1)]] if INSTRUCTION.match(line))
+            print(f"branch at line {i - start}: skips {skipped} instructions when taken")
+
+
+if __name__ == "__main__":
+    main()
