@@ -69,6 +69,22 @@ def test_kernels_match_reference_across_shapes(head_dim, group, gqa, bits):
     _drive(layout, 2 * gqa, steps)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_running_max_that_grows_in_later_history_pages(head_dim):
+    """Keys 4x larger in the second prompt: the decode step's history loop meets its largest scores
+    late, so the earlier pages' sums must be rescaled (the sliced path rescales only when some row's
+    max grows)."""
+    written = []
+
+    def louder(x):  # _drive passes k then v each step; the keys of step i are scaled by 1 + 3i
+        written.append(x)
+        step, is_key = divmod(len(written) - 1, 2)[0], (len(written) - 1) % 2 == 0
+        return x * (1 + 3 * step) if is_key else x
+
+    _drive(PagedLayout(kv_heads=2, head_dim=head_dim, group_size=head_dim, **SMALL), 8, [[96], [96], [1]],
+           num_splits=1, values=louder)
+
+
 def test_default_layout_edge_lengths():
     """Prompts of 0, 1, 63, 64, 65 tokens, then to 320/321 (sink + recent) and a decode step."""
     layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64)
@@ -167,6 +183,39 @@ def test_page_table_out_of_range_is_refused():
     k = torch.zeros(100, 1, 64, device=DEVICE)
     with pytest.raises(OscarError, match="points outside"):
         write_step(run.layer, batch, k, k)
+
+
+@pytest.mark.parametrize("head_dim,num_splits", [(64, 3), (128, 3), (128, 1)])
+def test_unvalidated_page_out_of_range_adds_nothing(head_dim, num_splits):
+    """The fast path (validate=False) reads a bad block-table entry as page 0 and masks it: the output
+    is attention over every other position (both history read paths, split or not)."""
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=head_dim, **SMALL)
+    run = PagedRun(layout, 1, 256, 8, "triton", device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    run.step([200], *random_step(layout, 8, [200], g, dtype=torch.float32, device=DEVICE))
+    q, k, v = random_step(layout, 8, [1], g, dtype=torch.float32, device=DEVICE)
+    batch = run.cache.step(run.slots, [1])
+    k_rot = write_step(run.layer, batch, k, v, run.rotation, run.mean, run.clip_k, run.clip_v, backend="triton")
+    keys, values = _stored(run, run.slots[0])  # [Hkv, 201, D], the step's own token included
+    bad = 3  # a history page: positions S + 3P .. S + 4P - 1
+    run.cache.block_table[run.slots[0], bad] = run.layer.num_pages + 5
+    scale = head_dim ** -0.5
+    out = attend_step(run.layer, batch, q, k_rot, v, scale, backend="triton", validate=False, num_splits=num_splits)
+    first = layout.sink_tokens + bad * layout.page_size
+    kept = torch.ones(keys.shape[1], dtype=torch.bool, device=keys.device)
+    kept[first:first + layout.page_size] = False
+
+    def attention(mask):
+        kv_head = torch.arange(8, device=keys.device) // 4
+        scores = torch.einsum("hd,hnd->hn", q[0].float(), keys[kv_head]) * scale
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("hn,hnd->hd", weights, values[kv_head])
+
+    expected = attention(kept)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0].float(), expected, atol=OUTPUT_TOLERANCE, rtol=0)
+    # The page matters: keeping it would move the output well beyond the tolerance.
+    assert (attention(torch.ones_like(kept)) - expected).abs().max() > 3 * OUTPUT_TOLERANCE
 
 
 def test_full_cache_refuses_cleanly_and_keeps_state():

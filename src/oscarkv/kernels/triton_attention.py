@@ -263,7 +263,7 @@ def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qsum0, qsum1, qsum2, 
 
 
 @triton.jit
-def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, acc, alpha, v0, v1, vh0, vh1,
+def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, acc, v0, v1, vh0, vh1,
                    D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """acc + (weights of slice s's group) · (value codes of slice s)."""
     if BITS == 2:
@@ -312,14 +312,14 @@ def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
     if NG == 4:
         w2, z2 = _weighted_codes_mma(p, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
         w3, z3 = _weighted_codes_mma(p, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
-    acc0 = _sliced_values(0, w0, w1, w2, w3, acc0, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc1 = _sliced_values(1, w0, w1, w2, w3, acc1, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc2 = _sliced_values(2, w0, w1, w2, w3, acc2, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc3 = _sliced_values(3, w0, w1, w2, w3, acc3, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc4 = _sliced_values(4, w0, w1, w2, w3, acc4, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc5 = _sliced_values(5, w0, w1, w2, w3, acc5, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc6 = _sliced_values(6, w0, w1, w2, w3, acc6, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc7 = _sliced_values(7, w0, w1, w2, w3, acc7, alpha, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc0 = _sliced_values(0, w0, w1, w2, w3, acc0, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc1 = _sliced_values(1, w0, w1, w2, w3, acc1, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc2 = _sliced_values(2, w0, w1, w2, w3, acc2, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc3 = _sliced_values(3, w0, w1, w2, w3, acc3, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc4 = _sliced_values(4, w0, w1, w2, w3, acc4, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc5 = _sliced_values(5, w0, w1, w2, w3, acc5, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc6 = _sliced_values(6, w0, w1, w2, w3, acc6, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    acc7 = _sliced_values(7, w0, w1, w2, w3, acc7, v0, v1, vh0, vh1, D, NG, BITS, ASM)
     return m_new, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
 
 
