@@ -71,9 +71,15 @@ def _page_codes(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
+def _page_param_offsets(row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr):
+    """Offsets [P] of group g's scale and zero for the P rows of one (page, KV head)."""
+    return (row0 + tl.arange(0, P)) * NG + g
+
+
+@triton.jit
 def _page_params(scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr):
     """Scale and zero [P] float32 of group g for the P rows of one (page, KV head)."""
-    at = (row0 + tl.arange(0, P)) * NG + g
+    at = _page_param_offsets(row0, g, NG, P)
     return tl.load(scale_ptr + at).to(tl.float32), tl.load(zero_ptr + at).to(tl.float32)
 
 
@@ -394,9 +400,9 @@ def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.c
     corr [BLOCK_M, 16] += weight · z (z broadcast over 16 columns; every column holds the same
     sums). The products of two float16 are exact in float32, so the correction still cancels the
     zero term of the value dots exactly. corr is rescaled by the caller."""
-    at = (row0 + tl.arange(0, P)) * NG + g
+    at = _page_param_offsets(row0, g, NG, P)
     scale = tl.load(vs_ptr + at).to(tl.float32)
-    zero = tl.load(vz_ptr + at)
+    zero = tl.load(vz_ptr + at)  # float16, as the dot takes it
     weight = (p * scale[None, :]).to(tl.float16)
     return weight, tl.dot(weight, tl.broadcast_to(zero[:, None], (P, 16)), corr)
 
