@@ -23,11 +23,9 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 
 from oscarkv.kernels import triton_attention
-from oscarkv.kernels.compile_check import ATTENTION_TYPES
+from oscarkv.kernels.compile_check import ATTENTION_TYPES, compile_kernel
 
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -35,16 +33,12 @@ BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 
 
 def compile_history_kernel(stages: int, maxnreg: int | None) -> bytes:
-    fn = triton_attention._paged_attention_kernel
     constexprs = dict(HQ=32, HKV=8, D=128, NG=1, BITS=2, P=64, S=64, R=256, NUM_SPLITS=17, BLOCK_M=16,
                       BLOCK_N=64, SINK_BLOCK=64, ASM=True, REGIONS=1, WINDOW_SPLITS=4, KEY_SHIFTS=False,
                       SHIFT_BLOCK=1024)
-    signature = {name: "constexpr" if name in constexprs else ATTENTION_TYPES[name] for name in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-               if name not in constexprs and signature[name].startswith("*")}
     options = dict(num_warps=1, num_stages=stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    kernel = compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                     options=options)
+    kernel = compile_kernel(triton_attention._paged_attention_kernel, ATTENTION_TYPES, constexprs, 90,
+                            aligned=True, **options)
     return kernel.asm["cubin"]
 
 
