@@ -78,8 +78,8 @@ def test_running_max_that_grows_in_later_history_pages(head_dim):
 
     def louder(x):  # _drive passes k then v each step; the keys of step i are scaled by 1 + 3i
         written.append(x)
-        step, is_key = divmod(len(written) - 1, 2)[0], (len(written) - 1) % 2 == 0
-        return x * (1 + 3 * step) if is_key else x
+        step, stream = divmod(len(written) - 1, 2)
+        return x * (1 + 3 * step) if stream == 0 else x
 
     _drive(PagedLayout(kv_heads=2, head_dim=head_dim, group_size=head_dim, **SMALL), 8, [[96], [96], [1]],
            num_splits=1, values=louder)
