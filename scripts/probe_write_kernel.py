@@ -36,7 +36,8 @@ def main() -> None:
 
     def time_us(block: int, warps: int, rotate: bool, clip: bool) -> float:
         grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)
-        constants = dict(HKV=KV_HEADS, D=HEAD_DIM, NG=layout.groups, BITS=layout.bits, P=layout.page_size,
+        constants = dict(HKV=KV_HEADS, D=HEAD_DIM, NG=layout.groups, K_BITS=layout.key_bits,
+                         V_BITS=layout.value_bits, P=layout.page_size,
                          S=layout.sink_tokens, R=layout.recent_tokens, CLIP_K=clip_k if clip else -1,
                          CLIP_V=clip_v if clip else -1, SHIFT=triton_write.pattern_shift(layer.ring_k.dtype),
                          ROTATE=rotate, CENTER=True, BLOCK_T=block)

@@ -99,13 +99,13 @@ def test_keys_are_centered_for_every_region():
         assert torch.allclose(layer.rotate(raw), raw @ calibrated.k_rotation, atol=1e-5)  # queries: no mean
 
 
-def test_budget_moves_the_worst_layers_to_int4_and_the_cache_shows_it():
+def test_budget_moves_the_worst_streams_to_int4_and_the_cache_shows_it():
     model, artifact = _calibrated("gemma3", max_bits=0)
-    assert all(layer.bits == 2 for layer in artifact.layers)
+    assert all(layer.key_bits == layer.value_bits == 2 for layer in artifact.layers)
     shape = attention_shape(model)
     budget = artifact.calibration["budget"]
     summary = apply_budget(artifact, shape, SMALL, budget["pure_int2_bits_per_element"] + 1.0, 32768)
-    assert summary["int4_layers"] and summary["bits_per_element"] <= summary["max_bits"] + 1e-9
+    assert summary["int4_keys"] and summary["bits_per_element"] <= summary["max_bits"] + 1e-9
     for layer in artifact.layers:  # an INT4 layer is scored at its own clip, never worse than at its INT2 one
         c = layer.choice
         assert c["clip_k_int4"] in CONFIG.clip_grid_k and c["clip_v_int4"] in CONFIG.clip_grid_v
@@ -116,24 +116,74 @@ def test_budget_moves_the_worst_layers_to_int4_and_the_cache_shows_it():
         model(_tokens(120, seed=2)[None], past_key_values=cache)
         model(_tokens(1, seed=2)[None], past_key_values=cache)
     for i, layer in enumerate(cache.layers):
-        stored = layer.history_k.stored()
-        assert stored.bits == (4 if i in summary["int4_layers"] else 2)
-        assert stored.packed.shape[-1] == 32 * stored.bits // 8
+        for stream, int4 in ((layer.history_k, summary["int4_keys"]), (layer.history_v, summary["int4_values"])):
+            stored = stream.stored()
+            assert stored.bits == (4 if i in int4 else 2)
+            assert stored.packed.shape[-1] == 32 * stored.bits // 8
 
 
-def test_budget_buys_the_most_error_removed_per_bit_and_int4_layers_use_their_own_clip():
+def _set_errors(choice: dict, **errors) -> None:
+    """Every predicted error of a choice record zero except `errors`; no retrieval probe."""
+    for kind in "kv":
+        choice.update({f"error_{kind}": 0.0, f"error_{kind}_int4": 0.0})
+        choice.pop(f"retrieval_error_{kind}", None)
+        choice.pop(f"retrieval_error_{kind}_int4", None)
+    choice.update(errors)
+
+
+def test_budget_buys_the_most_error_removed_per_bit_and_int4_streams_use_their_own_clip():
     model, artifact = _calibrated("llama", max_bits=0)
     shape = attention_shape(model)
     first, second = artifact.layers[:2]
-    # Layer 0 has the larger INT2 error but INT4 barely helps it; layer 1 gains most from INT4.
-    first.choice.update(error_k=1.0, error_v=0.0, error_k_int4=0.9, error_v_int4=0.0, clip_k=0.9, clip_k_int4=0.0)
-    second.choice.update(error_k=0.5, error_v=0.0, error_k_int4=0.01, error_v_int4=0.0, clip_k=0.9, clip_k_int4=0.0)
+    for layer in artifact.layers[2:]:
+        _set_errors(layer.choice)
+    # Layer 0's keys have the larger INT2 error but INT4 barely helps them; layer 1's keys gain most.
+    _set_errors(first.choice, error_k=1.0, error_k_int4=0.9, error_v=0.3, error_v_int4=0.25)
+    _set_errors(second.choice, error_k=0.5, error_k_int4=0.01)
+    first.choice.update(clip_k=0.9, clip_k_int4=0.0)
+    second.choice.update(clip_k=0.9, clip_k_int4=0.0, clip_v=0.9, clip_v_int4=0.0)
     pure = artifact.calibration["budget"]["pure_int2_bits_per_element"]
-    summary = apply_budget(artifact, shape, SMALL, pure + 1.01 * second.choice["int4_cost_bits"], 32768)
-    assert second.choice["int4_cost_bits"] > 0 and summary["int4_layers"] == [1]
+    summary = apply_budget(artifact, shape, SMALL, pure + 1.01 * second.choice["int4_cost_bits_k"], 32768)
+    assert second.choice["int4_cost_bits_k"] > 0 and summary["int4_keys"] == [1] and summary["int4_values"] == []
     specs = layer_specs(artifact, QUANT, shape.layer_types, shape.sliding_window)
-    assert specs[1].bits == 4 and specs[1].quant.clip_ratio_k == 0.0  # the INT4 clip
-    assert specs[0].bits == 2 and specs[0].quant.clip_ratio_k == 0.9  # the INT2 one
+    assert (specs[1].key_bits, specs[1].value_bits) == (4, 2)  # one stream, not the layer
+    assert specs[1].quant.clip_ratio_k == 0.0 and specs[1].quant.clip_ratio_v == 0.9  # INT4 clip, INT2 clip
+    assert specs[0].key_bits == 2 and specs[0].quant.clip_ratio_k == 0.9
+
+
+def test_budget_counts_the_retrieval_probe():
+    """A stream whose error shows only on the retrieval probe is bought before one whose smaller
+    error shows on the held-apart text."""
+    model, artifact = _calibrated("llama", max_bits=0)
+    shape = attention_shape(model)
+    for layer in artifact.layers:
+        _set_errors(layer.choice)
+    _set_errors(artifact.layers[0].choice, error_k=0.2, error_k_int4=0.0)
+    _set_errors(artifact.layers[1].choice, error_k=0.01, error_k_int4=0.0, retrieval_error_k=0.5,
+                retrieval_error_k_int4=0.01)
+    pure = artifact.calibration["budget"]["pure_int2_bits_per_element"]
+    one_stream = artifact.layers[1].choice["int4_cost_bits_k"]
+    assert apply_budget(artifact, shape, SMALL, pure + 1.01 * one_stream, 32768)["int4_keys"] == [1]
+    for layer in artifact.layers:  # without the probe the held-apart error decides
+        for key in ("retrieval_error_k", "retrieval_error_k_int4"):
+            layer.choice.pop(key, None)
+    assert apply_budget(artifact, shape, SMALL, pure + 1.01 * one_stream, 32768)["int4_keys"] == [0]
+
+
+def test_calibration_records_the_retrieval_probe_errors():
+    model, artifact = _calibrated("llama")
+    assert artifact.calibration["retrieval_probe"] is True
+    for layer in artifact.layers:
+        c = layer.choice
+        assert all(c[f"retrieval_error_{kind}"] >= 0 for kind in "kv")
+        assert all(c[f"retrieval_error_{kind}_int4"] < c[f"retrieval_error_{kind}"] for kind in "kv")
+
+
+def test_older_artifacts_with_one_width_per_layer_still_load():
+    from oscarkv.calibration.artifact import stream_bits
+
+    assert stream_bits({"bits": 4}, "k") == stream_bits({"bits": 4}, "v") == 4
+    assert stream_bits({"bits": 4, "bits_k": 2}, "k") == 2 and stream_bits({}, "v") == 2
 
 
 def test_budget_below_pure_int2_is_refused():
@@ -160,7 +210,8 @@ def test_product_artifact_roundtrips_with_choices(tmp_path):
     loaded = RotationArtifact.load(artifact.save(tmp_path / "rot.safetensors"))
     assert loaded.centered
     for a, b in zip(artifact.layers, loaded.layers):
-        assert a.choice["k_transform"] == b.choice["k_transform"] and b.bits == a.bits
+        assert a.choice["k_transform"] == b.choice["k_transform"]
+        assert (b.key_bits, b.value_bits) == (a.key_bits, a.value_bits)
         assert (a.v_mean is None) == (b.v_mean is None) == (not a.choice["v_centered"])
         assert a.v_mean is None or torch.allclose(a.v_mean, b.v_mean)
         assert b.paper_v_rotation is not None and torch.allclose(a.v_rotation, b.v_rotation)

@@ -57,12 +57,15 @@ def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=
 
 
 @pytest.mark.parametrize(
-    "head_dim,group,gqa,bits",
-    [(64, 64, 1, 2), (128, 64, 4, 2), (128, 128, 8, 2), (256, 128, 4, 2), (256, 64, 1, 2),
-     (128, 128, 4, 4), (64, 32, 1, 4)],
+    "head_dim,group,gqa,key_bits,value_bits",
+    [(64, 64, 1, 2, 2), (128, 64, 4, 2, 2), (128, 128, 8, 2, 2), (256, 128, 4, 2, 2), (256, 64, 1, 2, 2),
+     (128, 128, 4, 4, 4), (64, 32, 1, 4, 4),
+     # INT4 keys with INT2 values and the reverse, on the sliced (D >= 128) and the plain path
+     (128, 64, 4, 4, 2), (64, 64, 3, 4, 2), (128, 128, 2, 2, 4)],
 )
-def test_kernels_match_reference_across_shapes(head_dim, group, gqa, bits):
-    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, bits=bits, **SMALL)
+def test_kernels_match_reference_across_shapes(head_dim, group, gqa, key_bits, value_bits):
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, key_bits=key_bits, value_bits=value_bits,
+                         **SMALL)
     # Mixed lengths; a sequence with no new tokens; prompts ending on the sink (16), page and
     # recent-window edges (48 = sink + recent, 64 = + one page), then decode steps across a flush.
     steps = [[15, 1, 0], [1, 47, 17], [0, 16, 31], [1, 1, 1], [1, 1, 1]]

@@ -26,7 +26,7 @@ class PluginPath:
 
     def __init__(self, spec: LayerSpec, cache: CacheConfig, hkv: int, d: int, block_size: int, blocks: int):
         self.spec, self.cache = spec, cache
-        self.cells = CellFormat(d, spec.quant.group_size, spec.bits)
+        self.cells = CellFormat(d, spec.quant.group_size, spec.key_bits, spec.value_bits)
         self.pages = torch.zeros(blocks, hkv, block_size, self.cells.cell_bytes, dtype=torch.uint8)
         self.block_table = torch.randperm(blocks)  # vLLM's blocks are scattered
         self.windows = RequestWindows(2, hkv, d, cache.sink_tokens, cache.recent_tokens, cache.window_dtype)
@@ -95,23 +95,25 @@ def test_the_int2_part_is_really_read():
     assert 1e-2 < error < 1.5
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_cells_roundtrip_like_the_quantizer(bits):
+@pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 4), (4, 2), (2, 4)])
+def test_cells_roundtrip_like_the_quantizer(key_bits, value_bits):
     from oscarkv.quant.format import dequantize, quantize
 
     x, y = torch.randn(5, 3, 64), torch.randn(5, 3, 64)
-    fmt = CellFormat(64, 32, bits, cell_bytes=shared_cell_bytes(64, 32, [2, 4]))
+    fmt = CellFormat(64, 32, key_bits, value_bits, cell_bytes=shared_cell_bytes(64, 32, [(2, 2), (4, 4)]))
     cells = fmt.encode(x, y, 0.9, 0.0)
     assert cells.dtype == torch.uint8 and cells.shape == (5, 3, fmt.cell_bytes) and fmt.cell_bytes % 8 == 0
     k, v = fmt.decode(cells, torch.float32)
-    torch.testing.assert_close(k, dequantize(quantize(x, bits, 32, 0.9), torch.float32))
-    torch.testing.assert_close(v, dequantize(quantize(y, bits, 32, 0.0), torch.float32))
+    torch.testing.assert_close(k, dequantize(quantize(x, key_bits, 32, 0.9), torch.float32))
+    torch.testing.assert_close(v, dequantize(quantize(y, value_bits, 32, 0.0), torch.float32))
 
 
 def test_cell_is_much_smaller_than_a_bf16_token():
     # SmolLM2 / Qwen3 shapes: 64 and 128 channels, group 64 / 128, fp16 scale and zero.
     assert CellFormat(64, 64).cell_bytes == 40  # BF16: 256 bytes per (token, head) for K and V
     assert CellFormat(128, 128).cell_bytes == 72  # BF16: 512
+    assert CellFormat(64, 64, 4, 2).cell_bytes == 56  # INT4 keys: 32 + 16 code bytes, 8 of scales
+    assert shared_cell_bytes(64, 64, [(2, 2), (4, 2)]) == 56
 
 
 def test_lane_map_reuses_finished_lanes_and_keeps_live_ones():

@@ -63,7 +63,8 @@ def cmd_calibrate(args) -> int:
                                max_bits=args.max_bits, budget_context=args.budget_context,
                                clip_grid_k=_ratios(args.clip_grid_k), clip_grid_v=_ratios(args.clip_grid_v),
                                value_weights=getattr(args, "value_weights", "proxy"),
-                               positions=getattr(args, "positions", "start"))
+                               positions=getattr(args, "positions", "start"),
+                               retrieval_probe=getattr(args, "retrieval_probe", True))
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
@@ -96,16 +97,19 @@ def print_calibration_report(artifact) -> None:
             "layer": str(i),
             "k": f"{'c-' if c['k_centered'] else ''}{c['k_transform']}@{layer.clip('k', 0.0):g}",
             "v": f"{'c-' if c['v_centered'] else ''}{c['v_transform']}@{layer.clip('v', 0.0):g}",
-            "bits": c["bits"], "error": predicted_error(c), "int2": c["error_k"] + c["error_v"],
-            "int4": c["error_k_int4"] + c["error_v_int4"], "int4_cost": c.get("int4_cost_bits"),
+            "bits": f"{layer.key_bits}/{layer.value_bits}", "error": predicted_error(c),
+            "int2": c["error_k"] + c["error_v"], "int4": c["error_k_int4"] + c["error_v_int4"],
+            "probe_k": c.get("retrieval_error_k"), "int4_cost": c.get("int4_cost_bits_k"),
             "paper": (c["paper_error_k"] or 0.0) + (c["paper_error_v"] or 0.0),
             "k_near": c["error_k"], "k_far": c.get("error_k_far"), "k_far_rope": c.get("error_k_far_rope"),
         })
-    print("\nper-layer choice (c- = centered; errors: relative squared error of the attention output on "
-          "held-apart tokens; paper = uncentered OSCAR of SPEC §1-§4)")
+    print("\nper-layer choice (c- = centered; bits: keys/values; errors: relative squared error of the attention "
+          "output on held-apart tokens; K probe: the INT2 key error on the retrieval probe; paper = uncentered "
+          "OSCAR of SPEC §1-§4; INT4 +bits/elt: the cost of one stream in INT4)")
     print(format_table(rows, [("layer", "layer", "s"), ("k", "K transform@clip", "s"), ("v", "V transform@clip", "s"),
-                              ("bits", "bits", "d"), ("error", "error", ".2e"), ("int2", "INT2", ".2e"),
-                              ("int4", "INT4", ".2e"), ("int4_cost", "INT4 +bits/elt", ".3f"),
+                              ("bits", "bits", "s"), ("error", "error", ".2e"), ("int2", "INT2", ".2e"),
+                              ("int4", "INT4", ".2e"), ("probe_k", "K probe", ".2e"),
+                              ("int4_cost", "INT4 +bits/elt", ".3f"),
                               ("paper", "paper", ".2e"), ("k_near", "K INT2", ".2e"),
                               ("k_far", "K INT2 far", ".2e"), ("k_far_rope", "K far, rope", ".2e")]))
     far = artifact.calibration.get("drift_check_offset", 0)
@@ -115,8 +119,8 @@ def print_calibration_report(artifact) -> None:
               "(key_centering='rope', the cache's default)")
     budget = artifact.calibration["budget"]
     print(f"bits per element at {budget['context']} tokens: {budget['bits_per_element']:.3f} (pure INT2 "
-          f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 layers: "
-          f"{budget['int4_layers'] or 'none'}")
+          f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 keys on layers "
+          f"{budget['int4_keys'] or 'none'}, INT4 values on layers {budget['int4_values'] or 'none'}")
     high = [str(i) for i, layer in enumerate(artifact.layers) if predicted_error(layer.choice) > HIGH_ERROR]
     if high:
         print(f"warning: layers {', '.join(high)} keep a predicted attention error above {HIGH_ERROR:g} within this "
@@ -452,8 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .safetensors artifact")
     p.add_argument("--method", default="oscar", choices=["oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity"])
     p.add_argument("--max-bits", type=float, default=None,
-                   help="bits per element allowed (default: pure INT2 + 0.25, letting the worst layers use INT4; "
-                        "0 = pure INT2)")
+                   help="bits per element allowed (default: pure INT2 + 0.25, letting the streams - keys or "
+                        "values of a layer - that gain most use INT4; 0 = pure INT2)")
+    p.add_argument("--no-retrieval-probe", dest="retrieval_probe", action="store_false",
+                   help="spend the budget by the error on held-apart text alone, without the retrieval probe "
+                        "(the held-apart chunk's first half twice); an ablation")
     p.add_argument("--budget-context", type=int, default=32768, help="context at which the budget is counted")
     p.add_argument("--clip-grid-k", default="0,0.9,0.93,0.96,0.98",
                    help="key clip ratios tried per layer (method oscar; default %(default)s)")

@@ -21,7 +21,7 @@ METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "kivi2", "int4",
 SERVE_METHODS = ("oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16")
 DESCRIPTIONS = {
     "bf16": "BF16 cache everywhere (the reference)",
-    "oscar": "the artifact as calibrated: centering, per-layer transform and clip, INT4 fallback layers",
+    "oscar": "the artifact as calibrated: centering, per-layer transform and clip, INT4 where the budget put it",
     "oscar-paper": "SPEC §1-§4 exactly: paper rotations, no centering, INT2 everywhere",
     "naive": "no rotation, INT2 history",
     "hadamard": "Walsh-Hadamard rotation of K and V (QuaRot-style), INT2 history",
@@ -77,7 +77,7 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
     if name == "int4":
         artifact = data_free_artifact(model, "hadamard", quant)
         for layer in artifact.layers:
-            layer.choice = {"bits": 4, "clip_k": 0.0, "clip_v": 0.0}
+            layer.choice = {"bits_k": 4, "bits_v": 4, "clip_k": 0.0, "clip_v": 0.0}
         return MethodSetup(name, artifact, quant, cache)
     if name == "turboquant3":
         artifact = data_free_artifact(model, "identity", quant)

@@ -68,8 +68,8 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / us / 1e3
 
 
-def _layout(kv_heads: int, head_dim: int, group: int) -> PagedLayout:
-    return PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=group, bits=2, page_size=64,
+def _layout(kv_heads: int, head_dim: int, group: int, key_bits: int = 2) -> PagedLayout:
+    return PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=group, key_bits=key_bits, page_size=64,
                        sink_tokens=64, recent_tokens=256)
 
 
@@ -105,9 +105,10 @@ class DecodeCase:
 
 
 def decode_case(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                group: int = 128, seed: int = 0, device: str = "cuda") -> DecodeCase:
+                group: int = 128, seed: int = 0, device: str = "cuda", key_bits: int = 2) -> DecodeCase:
+    """key_bits 4: a layer whose keys calibration moved to INT4 (values stay INT2)."""
     device = torch.device(device)
-    layout = _layout(kv_heads, head_dim, group)
+    layout = _layout(kv_heads, head_dim, group, key_bits)
     cache = PagedKVCache([layout], batch * layout.pages_needed(context), batch, context, device)
     gen = torch.Generator().manual_seed(seed)
     _fill_random(cache, gen)
@@ -134,9 +135,10 @@ def decode_bytes(case: DecodeCase, context: int) -> int:
 
 def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  group: int = 128, copy_gbs: float | None = None, seed: int = 0, device: str = "cuda",
-                 timer=_time_us) -> AttentionResult:
-    """One decode step at `context` tokens per sequence. `timer(fn) -> microseconds`."""
-    case = decode_case(batch, context, query_heads, kv_heads, head_dim, group, seed, device)
+                 timer=_time_us, key_bits: int = 2) -> AttentionResult:
+    """One decode step at `context` tokens per sequence. `timer(fn) -> microseconds`; key_bits 4:
+    a layer with INT4 keys and INT2 values."""
+    case = decode_case(batch, context, query_heads, kv_heads, head_dim, group, seed, device, key_bits)
     device = torch.device(device)
     cache, layout, layer, slots, step = case.cache, case.layer.layout, case.layer, case.slots, case.step
     q, k_new, v_new = case.q, case.k_new, case.v_new

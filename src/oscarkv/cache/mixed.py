@@ -35,7 +35,8 @@ class LayerSpec:
     quant: QuantConfig  # group size, this layer's clip ratios, scale dtype
     sliding_window: int | None = None
     k_mean: torch.Tensor | None = None  # [Hkv, d]: subtracted from every key before R_K (SPEC §6)
-    bits: int = 2  # history code width: 2, or 4 on a fallback layer
+    key_bits: int = 2  # history code widths: 2, or 4 where calibration moved the stream to INT4
+    value_bits: int = 2
     plain_history: bool = False  # history kept in the window dtype (TurboQuant's boundary layers)
     # key_centering="rope": [blocks, Hkv, d] (R(o)·μ_K - μ_K)·R_K for o = block·i, subtracted from the
     # history keys of positions [o, o + block) before quantization and added back on reading
@@ -68,12 +69,12 @@ class OscarLayer(DynamicLayer):
         else:
             if self.config.key_grouping == "channel" and quantized:
                 self.history_k = ChannelGroupedHistory(quant.group_size, quant.clip_ratio_k, quant.scale_dtype,
-                                                       history_dtype, self.spec.bits)
+                                                       history_dtype, self.spec.key_bits)
             else:
                 self.history_k = HistoryStore(quantized, quant.group_size, quant.clip_ratio_k, quant.scale_dtype,
-                                              history_dtype, self.spec.bits)
+                                              history_dtype, self.spec.key_bits)
             self.history_v = HistoryStore(quantized, quant.group_size, quant.clip_ratio_v, quant.scale_dtype,
-                                          history_dtype, self.spec.bits)
+                                          history_dtype, self.spec.value_bits)
         empty = key_states[:, :, :0].to(store_dtype)
         self.sink_k, self.sink_v = empty, empty.clone()
         self.tail_k, self.tail_v = empty.clone(), empty.clone()

@@ -14,10 +14,11 @@ Everything about the layout follows from L, so kernels need only the lengths and
 block table: no per-token index lists.
 
 Page layout, per layer: codes [pages, Hkv, P, D·bits/8] uint8 and scale/zero
-[pages, Hkv, P, D/G] float16 for keys and for values. One (page, KV head) is one contiguous
-run of P·D·bits/8 bytes (2 KiB for P = 64, D = 128, INT2), so the decode kernel, which
-walks the pages of one KV head, reads whole cache lines with consecutive threads on
-consecutive bytes, and each page is read once for all query heads of its GQA group.
+[pages, Hkv, P, D/G] float16 for keys and for values (keys and values each have their width,
+2 or 4 bits). One (page, KV head) is one contiguous run of P·D·bits/8 bytes (2 KiB for P = 64,
+D = 128, INT2), so the decode kernel, which walks the pages of one KV head, reads whole cache
+lines with consecutive threads on consecutive bytes, and each page is read once for all query
+heads of its GQA group.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ class CacheFullError(OscarError):
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """Shapes of one layer's paged cache. group_size and bits describe the history codes."""
+    """Shapes of one layer's paged cache. group_size, key_bits and value_bits describe the history codes."""
 
     kv_heads: int
     head_dim: int
     group_size: int = 128
-    bits: int = 2
+    key_bits: int = 2
+    value_bits: int = 2
     page_size: int = 64
     sink_tokens: int = 64
     recent_tokens: int = 256
@@ -51,8 +53,9 @@ class PagedLayout:
         d, g = self.head_dim, self.group_size
         if d not in KERNEL_HEAD_DIMS:
             raise OscarError(f"head_dim={d} is not supported by the paged cache; supported: {KERNEL_HEAD_DIMS}.")
-        if self.bits not in (2, 4):
-            raise OscarError(f"bits={self.bits} is not supported; use 2 (INT2) or 4 (INT4 fallback).")
+        for name in ("key_bits", "value_bits"):
+            if getattr(self, name) not in (2, 4):
+                raise OscarError(f"{name}={getattr(self, name)} is not supported; use 2 (INT2) or 4 (INT4 fallback).")
         if g > d or d % g or g < d // 4:
             raise OscarError(
                 f"group_size={g} with head_dim={d}: the kernels need group_size in "
@@ -68,8 +71,12 @@ class PagedLayout:
         return self.recent_tokens + self.page_size
 
     @property
-    def code_bytes(self) -> int:
-        return self.head_dim * self.bits // 8
+    def key_code_bytes(self) -> int:
+        return self.head_dim * self.key_bits // 8
+
+    @property
+    def value_code_bytes(self) -> int:
+        return self.head_dim * self.value_bits // 8
 
     @property
     def groups(self) -> int:
@@ -85,7 +92,7 @@ class PagedLayout:
 
     def history_bytes_per_token(self) -> int:
         """Bytes one history token occupies per KV head, keys and values together."""
-        return 2 * (self.code_bytes + 2 * self.groups * 2)
+        return self.key_code_bytes + self.value_code_bytes + 2 * (2 * self.groups * 2)
 
 
 @dataclass
@@ -118,7 +125,8 @@ class PagedLayer:
     @classmethod
     def allocate(cls, layout: PagedLayout, num_pages: int, max_slots: int, device, window_dtype=torch.bfloat16):
         h, p, d = layout.kv_heads, layout.page_size, layout.head_dim
-        codes = (num_pages, h, p, layout.code_bytes)
+        key_codes = (num_pages, h, p, layout.key_code_bytes)
+        value_codes = (num_pages, h, p, layout.value_code_bytes)
         scales = (num_pages, h, p, layout.groups)
 
         def window(n: int) -> torch.Tensor:
@@ -126,10 +134,10 @@ class PagedLayer:
 
         return cls(
             layout,
-            torch.zeros(codes, dtype=torch.uint8, device=device),
+            torch.zeros(key_codes, dtype=torch.uint8, device=device),
             torch.zeros(scales, dtype=torch.float16, device=device),
             torch.zeros(scales, dtype=torch.float16, device=device),
-            torch.zeros(codes, dtype=torch.uint8, device=device),
+            torch.zeros(value_codes, dtype=torch.uint8, device=device),
             torch.zeros(scales, dtype=torch.float16, device=device),
             torch.zeros(scales, dtype=torch.float16, device=device),
             window(layout.sink_tokens), window(layout.sink_tokens),

@@ -65,6 +65,12 @@ class ModelIdentity:
 OPTIONAL_TENSORS = ("k_mean", "v_mean", "paper_k_rotation", "paper_v_rotation")
 
 
+def stream_bits(choice: dict, kind: str) -> int:
+    """Code width of stream `kind` ("k" or "v") in a layer's choice record. Artifacts from before
+    per-stream widths record one "bits" for both streams."""
+    return int(choice.get(f"bits_{kind}", choice.get("bits", 2)))
+
+
 @dataclass
 class LayerRotation:
     k_rotation: torch.Tensor  # [d, d]
@@ -75,19 +81,27 @@ class LayerRotation:
     v_mean: torch.Tensor | None = None  # [Hkv, d], folded into the v_proj / o_proj biases
     paper_k_rotation: torch.Tensor | None = None
     paper_v_rotation: torch.Tensor | None = None
-    # k_transform, v_transform, clip_k, clip_v (at INT2), clip_k_int4, clip_v_int4, bits, and predicted
-    # errors (see calibration.selection)
+    # k_transform, v_transform, clip_k, clip_v (at INT2), clip_k_int4, clip_v_int4, bits_k, bits_v, and
+    # predicted errors (see calibration.selection)
     choice: dict = field(default_factory=dict)
 
+    def stream_bits(self, kind: str) -> int:
+        """Code width of stream `kind` ("k" or "v"): 2, or 4 where calibration moved it to INT4."""
+        return stream_bits(self.choice, kind)
+
     @property
-    def bits(self) -> int:
-        return int(self.choice.get("bits", 2))
+    def key_bits(self) -> int:
+        return self.stream_bits("k")
+
+    @property
+    def value_bits(self) -> int:
+        return self.stream_bits("v")
 
     def clip(self, kind: str, default: float) -> float:
-        """The clip ratio of stream `kind` ("k" or "v") at the layer's bits: an INT4 layer uses its
-        own (`clip_k_int4`; artifacts from before it existed use the INT2 one); `default` where the
+        """The clip ratio of stream `kind` ("k" or "v") at its bits: an INT4 stream uses its own
+        (`clip_k_int4`; artifacts from before it existed use the INT2 one); `default` where the
         artifact chose none."""
-        if self.bits == 4 and f"clip_{kind}_int4" in self.choice:
+        if self.stream_bits(kind) == 4 and f"clip_{kind}_int4" in self.choice:
             return float(self.choice[f"clip_{kind}_int4"])
         return float(self.choice.get(f"clip_{kind}", default))
 
@@ -175,8 +189,10 @@ class RotationArtifact:
                         f"layers.{i}.{name} has shape {tuple(mean.shape)} or non-finite values, expected finite "
                         f"({self.model.num_kv_heads}, {d}); re-run `oscarkv calibrate`."
                     )
-            if layer.bits not in (2, 4):
-                raise ArtifactError(f"layers.{i} asks for {layer.bits} bits; only 2 and 4 exist. Re-run calibration.")
+            for kind in ("k", "v"):
+                if layer.stream_bits(kind) not in (2, 4):
+                    raise ArtifactError(f"layers.{i} asks for {layer.stream_bits(kind)} bits for its {kind} stream; "
+                                        "only 2 and 4 exist. Re-run `oscarkv calibrate`.")
             for name in ("k_rotation", "v_rotation", "paper_k_rotation", "paper_v_rotation"):
                 r = getattr(layer, name)
                 if r is None:

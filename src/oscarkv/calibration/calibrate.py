@@ -3,9 +3,10 @@
 Methods:
     oscar        the product (SPEC §6): keys and values centered by their calibration means;
                  per layer, K and V each take the best of identity / Hadamard / OSCAR and of a
-                 small clip grid by attention-output error on held-apart tokens; the layers whose
-                 INT4 (at a clip chosen for INT4) removes the most predicted error per bit move to
-                 INT4 while the cache stays within the bit budget
+                 small clip grid by attention-output error on held-apart tokens; the streams (keys
+                 or values of a layer) whose INT4 (at a clip chosen for INT4) removes the most
+                 predicted error per bit, on those tokens and on a retrieval probe, move to INT4
+                 while the cache stays within the bit budget
     oscar-paper  SPEC §1 exactly: R_K = U_Q·H·P_br (C_Q pooled over GQA groups),
                  R_V = U_S·H·P_br (C_S with weights k C_Q kᵀ), no centering, INT2 everywhere
     ktk          like oscar-paper, but R_K from the key covariance KᵀK (ablation)
@@ -29,7 +30,8 @@ from ..models import attention_shape, model_identity
 from .artifact import LayerRotation, RotationArtifact
 from .collect import Collector, collecting
 from .rotations import check_power_of_two, compose_rotation, sorted_eigh
-from .selection import CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer, chosen_key_error
+from .selection import (CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer, chosen_key_error, retrieval_errors,
+                        retrieval_probe)
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
 VALUE_WEIGHTS = ("proxy", "attention")
@@ -66,6 +68,9 @@ class CalibrationConfig:
     # "spread" = each chunk shifted to its own offset, evenly over the model's supported positions,
     # so that μ_K (taken after RoPE) is the mean over the whole range a key can sit at.
     positions: str = "start"
+    # The budget also counts each stream's error on a retrieval probe (the held-apart chunk's first
+    # half twice; `selection.retrieval_probe`). False: the held-apart text alone (the ablation).
+    retrieval_probe: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -177,7 +182,8 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         chunks = chunks[1 : 1 + config.max_chunks]
     collector = Collector(value_weights=config.value_weights)
     far = far_offset(config, shape.max_positions) if product else 0
-    passes = 2 * len(chunks) + (1 if product else 0) + (1 if far else 0)
+    probe = product and config.retrieval_probe
+    passes = 2 * len(chunks) + (1 if product else 0) + (1 if far else 0) + (1 if probe else 0)
     offsets = held_offset = None
     if config.positions == "spread":
         # The held-apart chunk takes the middle of the range, between the covariance chunks' offsets.
@@ -213,6 +219,14 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
 
                 collector.on_layer = score_far
                 _run(model, [held_apart], collector, progress, [far])
+            if probe:
+                def score_probe(layer: int, q, k, v) -> None:
+                    sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
+                    layers[layer].choice.update(retrieval_errors(layers[layer], q[0], k[0], v[0], quant, cache,
+                                                                 sliding))
+
+                collector.on_layer = score_probe
+                _run(model, [retrieval_probe(held_apart, bos_id)], collector, progress, held_offset)
     calibration = {
         "tokens": len(chunks) * config.chunk_tokens,
         "chunk_tokens": config.chunk_tokens,
@@ -225,6 +239,7 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         "positions": config.positions,
         "max_offset": max(offsets) if offsets else 0,
         "drift_check_offset": far,
+        "retrieval_probe": probe,
         "sources": list(sources or []),
         "model_source": getattr(model, "oscar_source", None),
     }

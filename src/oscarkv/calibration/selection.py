@@ -6,6 +6,13 @@ values) go through the cache exactly as at run time: centered, rotated, clipped,
 quantized, read back. The mixed layout is respected: a key reaches the history only once
 it is older than the recent window and outside the sink, so only those pairs carry error.
 Keys and values are scored separately (their errors add to first order).
+
+The bit budget then moves single streams (the keys or the values of one layer) to INT4, those
+that remove the most predicted error per bit first. Besides the held-apart text, the error
+counts a retrieval probe (`retrieval_probe`): the same tokens twice in a row, so that the
+second copy is predicted by attending to the first, far back in the history. Ordinary text
+barely uses the history in the later layers of small models; the probe does, and shows which
+streams a needle-in-a-haystack lookup depends on (docs/accuracy.md).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..quant.format import dequantize, quantize
+from .artifact import stream_bits
 
 # Clip ratios tried per layer. The finer grids won on Qwen2.5-Coder-1.5B (docs/results.md);
 # the demo passes the two-point grids (no clip, or the paper's ratio) to stay fast on a CPU.
@@ -118,7 +126,7 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
         ("v", clip_grid_v, layer.v_mean, scorer.value_error, layer.v_rotation, layer.paper_v_rotation,
          quant.clip_ratio_v),
     )
-    choice: dict = {"bits": 2}
+    choice: dict = {"bits_k": 2, "bits_v": 2}
     for kind, grid, mean, error, centered_oscar, paper, paper_clip in streams:
         options = {}  # (centered, transform) -> rotation
         for centered, oscar in ((True, centered_oscar), (False, paper)):
@@ -151,6 +159,29 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
     return choice
 
 
+def retrieval_probe(tokens: torch.Tensor, bos_id: int | None = None) -> torch.Tensor:
+    """The retrieval probe of a held-apart chunk [T]: its first half twice (after the BOS token
+    the model needs, if any), so that every token of the second copy can be read off the first."""
+    body = tokens[1:] if bos_id is not None else tokens
+    half = body[: body.numel() // 2]
+    parts = ([tokens[:1]] if bos_id is not None else []) + [half, half]
+    return torch.cat(parts)
+
+
+def retrieval_errors(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
+                     sliding_window: int | None = None) -> dict:
+    """Predicted errors of the layer's chosen keys and values at INT2 and INT4 on the retrieval
+    probe (q, k, v of `retrieval_probe` tokens); the layer must have been through `choose_layer`."""
+    scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size, sliding_window)
+    choice = layer.choice
+    errors = {}
+    for kind, error, rotation, mean in (("k", scorer.key_error, layer.k_rotation, layer.k_mean),
+                                        ("v", scorer.value_error, layer.v_rotation, layer.v_mean)):
+        errors[f"retrieval_error_{kind}"] = error(rotation.double(), mean, choice[f"clip_{kind}"], 2)
+        errors[f"retrieval_error_{kind}_int4"] = error(rotation.double(), mean, choice[f"clip_{kind}_int4"], 4)
+    return errors
+
+
 def chosen_key_error(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
                      sliding_window: int | None = None, mean: torch.Tensor | None = None) -> float:
     """Predicted INT2 key error of the layer's chosen centering, transform and clip on other tokens.
@@ -176,10 +207,13 @@ def held_tokens(shape, cache, context: int) -> tuple[list[int], list[int]]:
 
 
 def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -> dict:
-    """Move to INT4 the layers whose INT4 removes the most predicted error per bit, within the budget.
+    """Move to INT4 the streams (keys or values of a layer) whose INT4 removes the most predicted
+    error per bit, within the budget.
 
     max_bits: None = pure INT2 + 0.25 bits per element; 0 = pure INT2. Counted in bytes over what
-    each layer really holds at `context` tokens. Records and returns the budget summary.
+    each layer really holds at `context` tokens. The error of a stream is its error on the
+    held-apart text plus, where calibration recorded one, on the retrieval probe. Records and
+    returns the budget summary.
     """
     from ..config import QuantConfig
     from ..errors import CalibrationError
@@ -187,12 +221,13 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
 
     history, windows = held_tokens(shape, cache, context)
     quant = QuantConfig(group_size=artifact.group_size)
-
-    def cost(code_bits: list[int]) -> float:
-        return layers_bits_per_element(history, windows, code_bits, cache, quant)
-
     layers = artifact.layers
-    bits = [2] * len(layers)
+
+    def cost(bits: dict) -> float:
+        widths = [(bits[(i, "k")] + bits[(i, "v")]) / 2 for i in range(len(layers))]
+        return layers_bits_per_element(history, windows, widths, cache, quant)
+
+    bits = {(i, kind): 2 for i in range(len(layers)) for kind in "kv"}
     pure = cost(bits)
     if max_bits is None:
         budget = pure + DEFAULT_EXTRA_BITS
@@ -209,30 +244,39 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
         raise CalibrationError("this artifact has no per-layer errors to apply a bit budget to; re-run "
                                "`oscarkv calibrate` with the default method 'oscar'.")
     # Greedy by predicted error removed per bit spent (a sliding-window layer holds fewer tokens,
-    # so it costs less): the layers whose INT4 buys the most go first.
-    extra = [cost([4 if j == i else 2 for j in range(len(layers))]) - pure for i in range(len(layers))]
-    gain = [predicted_error(dict(layer.choice, bits=2)) - predicted_error(dict(layer.choice, bits=4))
-            for layer in layers]
-    order = sorted(range(len(layers)), key=lambda i: -gain[i] / max(extra[i], 1e-12))
-    for i in order:
-        bits[i] = 4
+    # so it costs less): the streams whose INT4 buys the most go first.
+    extra = {stream: cost({**bits, stream: 4}) - pure for stream in bits}
+    gain = {(i, kind): stream_gain(layers[i].choice, kind) for (i, kind) in bits}
+    for stream in sorted(bits, key=lambda st: -gain[st] / max(extra[st], 1e-12)):
+        bits[stream] = 4
         if cost(bits) > budget + 1e-9:
-            bits[i] = 2
-    for layer, b, bits_extra in zip(layers, bits, extra):
-        layer.choice["bits"] = b
-        layer.choice["int4_cost_bits"] = bits_extra
+            bits[stream] = 2
+    for i, layer in enumerate(layers):
+        layer.choice.pop("bits", None)  # an older artifact's one width for both streams
+        for kind in "kv":
+            layer.choice[f"bits_{kind}"] = bits[(i, kind)]
+            layer.choice[f"int4_cost_bits_{kind}"] = extra[(i, kind)]
     summary = {
         "max_bits": budget,
         "context": context,
         "pure_int2_bits_per_element": pure,
         "bits_per_element": cost(bits),
-        "int4_layers": [i for i, b in enumerate(bits) if b == 4],
+        "int4_keys": [i for i in range(len(layers)) if bits[(i, "k")] == 4],
+        "int4_values": [i for i in range(len(layers)) if bits[(i, "v")] == 4],
     }
     artifact.calibration["budget"] = summary
     return summary
 
 
+def stream_gain(choice: dict, kind: str) -> float:
+    """Predicted error that INT4 removes from stream `kind` ("k" or "v") of a layer: on the
+    held-apart text, plus on the retrieval probe where it was measured."""
+    gain = choice[f"error_{kind}"] - choice[f"error_{kind}_int4"]
+    if f"retrieval_error_{kind}" in choice:
+        gain += choice[f"retrieval_error_{kind}"] - choice[f"retrieval_error_{kind}_int4"]
+    return gain
+
+
 def predicted_error(choice: dict) -> float:
-    """Predicted attention-output error of a layer at the bits it was given."""
-    suffix = "_int4" if choice.get("bits", 2) == 4 else ""
-    return choice[f"error_k{suffix}"] + choice[f"error_v{suffix}"]
+    """Predicted attention-output error of a layer on the held-apart text at the bits it was given."""
+    return sum(choice[f"error_{kind}{'_int4' if stream_bits(choice, kind) == 4 else ''}"] for kind in "kv")

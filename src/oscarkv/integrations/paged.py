@@ -31,7 +31,8 @@ from ..kernels.ops import attend_step, write_step
 
 def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int) -> list[PagedLayout]:
     """One layout per layer; raises OscarError when a layer's shape is not one the kernels take."""
-    return [PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=spec.quant.group_size, bits=spec.bits,
+    return [PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=spec.quant.group_size,
+                        key_bits=spec.key_bits, value_bits=spec.value_bits,
                         page_size=config.page_size, sink_tokens=config.sink_tokens,
                         recent_tokens=config.recent_tokens) for spec in specs]
 

@@ -188,7 +188,8 @@ def layer_specs(artifact: RotationArtifact, quant: QuantConfig, layer_types, sli
             quant=layer_quant,
             sliding_window=sliding_window if layer_type == "sliding_attention" else None,
             k_mean=layer.k_mean,
-            bits=layer.bits,
+            key_bits=layer.key_bits,
+            value_bits=layer.value_bits,
             plain_history=bool(choice.get("plain_history", False)),
         ))
     return specs

@@ -37,7 +37,8 @@ from .vllm_plugin import PluginSettings, active_settings
 
 def _cell_bytes(settings: PluginSettings, head_dim: int) -> int:
     artifact = settings.artifact
-    return shared_cell_bytes(head_dim, artifact.group_size, [layer.bits for layer in artifact.layers])
+    bits = [(layer.key_bits, layer.value_bits) for layer in artifact.layers]
+    return shared_cell_bytes(head_dim, artifact.group_size, bits)
 
 
 class OscarCPUAttentionBackend(CPUAttentionBackend):
@@ -149,7 +150,7 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
                                    self.model_config.max_model_len,
                                    lambda kind: rope.config_inverse_frequencies(self.model_config.hf_config,
                                                                                 self.head_size))[0]
-            cells = CellFormat(self.head_size, spec.quant.group_size, spec.bits,
+            cells = CellFormat(self.head_size, spec.quant.group_size, spec.key_bits, spec.value_bits,
                                cell_bytes=_cell_bytes(settings, self.head_size))
             cache = settings.cache
             windows = RequestWindows(self.lanes, self.num_kv_heads, self.head_size, cache.sink_tokens,

@@ -35,7 +35,8 @@ class CellFormat:
 
     head_dim: int
     group_size: int
-    bits: int = 2
+    key_bits: int = 2
+    value_bits: int = 2
     scale_dtype: torch.dtype = torch.float16
     cell_bytes: int = 0  # the page's C (>= used_bytes, shared by all layers); 0: used_bytes aligned
 
@@ -46,8 +47,12 @@ class CellFormat:
             raise OscarError(f"a cell of {self.cell_bytes} bytes cannot hold {self.used_bytes} bytes of codes.")
 
     @property
-    def code_bytes(self) -> int:
-        return self.head_dim * self.bits // 8
+    def key_code_bytes(self) -> int:
+        return self.head_dim * self.key_bits // 8
+
+    @property
+    def value_code_bytes(self) -> int:
+        return self.head_dim * self.value_bits // 8
 
     @property
     def groups(self) -> int:
@@ -59,13 +64,13 @@ class CellFormat:
 
     @property
     def used_bytes(self) -> int:
-        return 2 * self.code_bytes + 4 * self.scale_bytes
+        return self.key_code_bytes + self.value_code_bytes + 4 * self.scale_bytes
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, clip_k: float, clip_v: float) -> torch.Tensor:
         """keys, values: [..., D] -> uint8 cells [..., cell_bytes]."""
         parts = []
-        quantized = [quantize(x, self.bits, self.group_size, clip, self.scale_dtype)
-                     for x, clip in ((keys, clip_k), (values, clip_v))]
+        quantized = [quantize(x, bits, self.group_size, clip, self.scale_dtype)
+                     for x, bits, clip in ((keys, self.key_bits, clip_k), (values, self.value_bits, clip_v))]
         parts += [q.packed for q in quantized]
         for q in quantized:
             parts += [q.scale.contiguous().view(torch.uint8), q.zero.contiguous().view(torch.uint8)]
@@ -77,15 +82,15 @@ class CellFormat:
 
     def decode(self, cells: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 cells [..., cell_bytes] -> (keys, values) [..., D] in `dtype`."""
-        c, s = self.code_bytes, self.scale_bytes
-        offsets = [0, c, 2 * c, 2 * c + s, 2 * c + 2 * s, 2 * c + 3 * s, 2 * c + 4 * s]
+        c, s = self.key_code_bytes + self.value_code_bytes, self.scale_bytes
+        offsets = [0, self.key_code_bytes, c, c + s, c + 2 * s, c + 3 * s, c + 4 * s]
         pieces = [cells[..., a:b] for a, b in zip(offsets, offsets[1:])]
 
         def scales(raw: torch.Tensor) -> torch.Tensor:
             return raw.contiguous().view(self.scale_dtype)
 
-        k = QuantizedTensor(pieces[0], scales(pieces[2]), scales(pieces[3]), self.group_size, dtype, self.bits)
-        v = QuantizedTensor(pieces[1], scales(pieces[4]), scales(pieces[5]), self.group_size, dtype, self.bits)
+        k = QuantizedTensor(pieces[0], scales(pieces[2]), scales(pieces[3]), self.group_size, dtype, self.key_bits)
+        v = QuantizedTensor(pieces[1], scales(pieces[4]), scales(pieces[5]), self.group_size, dtype, self.value_bits)
         return dequantize(k, dtype), dequantize(v, dtype)
 
 
@@ -93,10 +98,11 @@ def aligned(n: int) -> int:
     return -(-n // CELL_ALIGN) * CELL_ALIGN
 
 
-def shared_cell_bytes(head_dim: int, group_size: int, bits: list[int], scale_dtype=torch.float16) -> int:
+def shared_cell_bytes(head_dim: int, group_size: int, bits: list[tuple[int, int]], scale_dtype=torch.float16) -> int:
     """The cell size every layer's pages use (vLLM gives all layers of a group one page size):
-    that of the widest layer (a 4-bit fallback layer makes every cell wider)."""
-    return max(CellFormat(head_dim, group_size, b, scale_dtype).cell_bytes for b in set(bits))
+    that of the widest layer. bits: (key bits, value bits) per layer; one 4-bit stream makes
+    every cell wider."""
+    return max(CellFormat(head_dim, group_size, k, v, scale_dtype).cell_bytes for k, v in set(bits))
 
 
 class LaneMap:

@@ -33,11 +33,13 @@ DENSE_TYPES = dict(
 SCORE_SHIFT_TYPES = dict(q_ptr=WINDOW, shift_ptr="*fp32", out_ptr="*fp32", qk_scale="fp32", num_blocks="i32")
 COMBINE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=WINDOW)
 
-# (head_dim, group, bits, query heads, kv heads, page, sink, recent): Qwen3-like, its INT4 fallback,
-# SmolLM2, Gemma3, INT4 group D/4, and the tests' small layout (sink block smaller than a key block).
-FULL = [(128, 128, 2, 32, 8, 64, 64, 256), (128, 128, 4, 32, 8, 64, 64, 256), (64, 64, 2, 9, 3, 64, 64, 256),
-        (256, 128, 2, 4, 1, 64, 64, 256), (128, 32, 4, 8, 2, 64, 64, 256), (128, 64, 2, 8, 2, 16, 8, 32)]
-QUICK = [(128, 128, 2, 32, 8, 64, 64, 256)]
+# (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
+# INT4 fallback, INT4 keys with INT2 values (sliced and plain paths), SmolLM2, Gemma3, INT4 group D/4,
+# and the tests' small layout (sink block smaller than a key block).
+FULL = [(128, 128, 2, 2, 32, 8, 64, 64, 256), (128, 128, 4, 4, 32, 8, 64, 64, 256),
+        (128, 128, 4, 2, 32, 8, 64, 64, 256), (64, 64, 4, 2, 9, 3, 64, 64, 256), (64, 64, 2, 2, 9, 3, 64, 64, 256),
+        (256, 128, 2, 2, 4, 1, 64, 64, 256), (128, 32, 4, 4, 8, 2, 64, 64, 256), (128, 64, 2, 2, 8, 2, 16, 8, 32)]
+QUICK = [(128, 128, 2, 2, 32, 8, 64, 64, 256)]
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, arch: int, aligned: bool = False, **options):
@@ -69,8 +71,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
-    for d, group, bits, hq, hkv, page, sink, recent in configs:
-        shape = dict(D=d, NG=d // group, BITS=bits, P=page, S=sink, R=recent)
+    for d, group, key_bits, value_bits, hq, hkv, page, sink, recent in configs:
+        shape = dict(D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink, R=recent)
         jobs = []
         # prefill; decode history, windows; decode history with key_centering="rope" shifts
         for splits, regions, windows, shifted in ((1, 0, 1, False), (17, 1, 4, False), (17, 2, 4, False),
@@ -101,7 +103,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1
             if verbose:
-                print(f"sm_{arch} {fn.__name__:<24} D={d} G={group} bits={bits} ok ({seconds:.1f} s)", flush=True)
+                print(f"sm_{arch} {fn.__name__:<24} D={d} G={group} bits={key_bits}/{value_bits} "
+                      f"ok ({seconds:.1f} s)", flush=True)
     return count
 
 

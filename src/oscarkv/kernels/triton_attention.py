@@ -520,8 +520,8 @@ def _paged_attention_kernel(
         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
         sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
         qk_scale, window, shift_ptr, num_blocks,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-        P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
+        V_BITS: tl.constexpr, P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
         REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
         SHIFT_BLOCK: tl.constexpr = 1):
@@ -567,26 +567,26 @@ def _paged_attention_kernel(
     history_pages = tl.maximum(tl.minimum(old, end_new) - S, 0) // P  # the history is whole pages
     PAGE_SPLITS: tl.constexpr = NUM_SPLITS - WS if NUM_SPLITS > 1 else 1
     if has_history and SLICED:
-        qs0, qsum0 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 0, D, BITS)
-        qs1, qsum1 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 1, D, BITS)
-        qs2, qsum2 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 2, D, BITS)
-        qs3, qsum3 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 3, D, BITS)
-        qs4, qsum4 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 4, D, BITS)
-        qs5, qsum5 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 5, D, BITS)
-        qs6, qsum6 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 6, D, BITS)
-        qs7, qsum7 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 7, D, BITS)
+        qs0, qsum0 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 0, D, K_BITS)
+        qs1, qsum1 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 1, D, K_BITS)
+        qs2, qsum2 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 2, D, K_BITS)
+        qs3, qsum3 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 3, D, K_BITS)
+        qs4, qsum4 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 4, D, K_BITS)
+        qs5, qsum5 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 5, D, K_BITS)
+        qs6, qsum6 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 6, D, K_BITS)
+        qs7, qsum7 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 7, D, K_BITS)
         g0 = tl.zeros([BLOCK_M], tl.float32)  # query sums per group, for the zero points
         g1 = tl.zeros([BLOCK_M], tl.float32)
         g2 = tl.zeros([BLOCK_M], tl.float32)
         g3 = tl.zeros([BLOCK_M], tl.float32)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum0, 0, D, NG, BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum1, 1, D, NG, BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum2, 2, D, NG, BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum3, 3, D, NG, BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum4, 4, D, NG, BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum0, 0, D, NG, K_BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum1, 1, D, NG, K_BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum2, 2, D, NG, K_BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum3, 3, D, NG, K_BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum4, 4, D, NG, K_BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, K_BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, K_BITS)
+        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, K_BITS)
         U: tl.constexpr = D // 8
         acc0 = tl.zeros([BLOCK_M, U], tl.float32)
         acc1 = tl.zeros([BLOCK_M, U], tl.float32)
@@ -610,9 +610,9 @@ def _paged_attention_kernel(
             page = tl.load(bt_row + index)
             page_ok = (page >= 0) & (page < num_pages)
             row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P
-            kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, BITS, ASM)
+            kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, K_BITS, ASM)
             s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, g0, g1, g2, g3, kw0, kw1, kh0, kh1,
-                               ks_ptr, kz_ptr, row0, P, D, NG, BITS, ASM)
+                               ks_ptr, kz_ptr, row0, P, D, NG, K_BITS, ASM)
             if KEY_SHIFTS:
                 s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None]
             # Padding rows have zero queries, so finite scores; their outputs are never stored. A page
@@ -625,10 +625,10 @@ def _paged_attention_kernel(
                 s += tl.where(page_ok, 0.0, float("-inf"))
             m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
                 s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                vc_ptr, vs_ptr, vz_ptr, row0, P, D, NG, BITS, ASM)
+                vc_ptr, vs_ptr, vz_ptr, row0, P, D, NG, V_BITS, ASM)
         a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, tl.max(z0, 1),
                                           tl.max(z1, 1), tl.max(z2, 1), tl.max(z3, 1),
-                                          D, NG, BITS)
+                                          D, NG, V_BITS)
     elif has_history:
         # Sums of the rounded query quarters, for the zero points (see _group_scores).
         qs0 = tl.sum(q0.to(tl.float32), 1)
@@ -652,7 +652,7 @@ def _paged_attention_kernel(
             page_ok = (page >= 0) & (page < num_pages)
             row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P + (index % PARTS) * KEYS
             s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, row0, KEYS, D, NG,
-                                BITS)
+                                K_BITS)
             if KEY_SHIFTS:
                 s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index // PARTS, S, P, SHIFT_BLOCK)[:, None]
             hist_pos = S + index * KEYS + tl.arange(0, KEYS)
@@ -660,7 +660,7 @@ def _paged_attention_kernel(
             if window > 0:
                 visible = visible & (query_pos[:, None] - hist_pos[None, :] < window)
             m, l, a0, a1, a2, a3, z0, z1, z2, z3 = _history_step(
-                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, KEYS, D, NG, BITS)
+                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, KEYS, D, NG, V_BITS)
         # Back to plain units for the full-precision regions below and the output.
         a0 = a0 * UNIT_INV - z0[:, None]
         a1 = a1 * UNIT_INV - z1[:, None]
@@ -787,7 +787,8 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
             *((score_shift_terms(layer, q, scale), layer.key_shifts.shape[0]) if layer.key_shifts is not None
               else (q, 1)))
     cuda = q.device.type == "cuda"
-    shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
+    shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, K_BITS=lay.key_bits, V_BITS=lay.value_bits,
+                 P=lay.page_size, S=lay.sink_tokens,
                  R=lay.recent_tokens, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
                  SINK_BLOCK=max(16, triton.next_power_of_2(max(lay.sink_tokens, 1))), ASM=cuda,
                  WINDOW_SPLITS=window_splits if num_splits > window_splits else 1,

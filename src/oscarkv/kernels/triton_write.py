@@ -171,14 +171,14 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
 @triton.jit
 def _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h,
                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                       HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-                       CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr):
+                       HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
+                       V_BITS: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr):
     """Clip keys and values at their order statistics, quantize and store both into (page, row) of head h."""
     k_threshold, v_threshold = _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, CLIP_K, CLIP_V, SHIFT)
     k0, k1, k2, k3 = _clip(k0, k1, k2, k3, k_threshold, CLIP_K)
-    _quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, NG, BITS)
+    _quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, NG, K_BITS)
     v0, v1, v2, v3 = _clip(v0, v1, v2, v3, v_threshold, CLIP_V)
-    _quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS)
+    _quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, V_BITS)
 
 
 @triton.jit
@@ -266,7 +266,7 @@ def _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h, wind
 @triton.jit
 def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
-                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr):
@@ -290,7 +290,7 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
         k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
                                           ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
     _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr,
-                       vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS, CLIP_K, CLIP_V, SHIFT)
+                       vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, K_BITS, V_BITS, CLIP_K, CLIP_V, SHIFT)
 
 
 @triton.jit
@@ -298,7 +298,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
                   slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
-                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
                   ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -367,7 +367,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
             k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, in_history, h,
                                               window_dtype, HKV, D, S, P, SHIFT_BLOCK)
         _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr,
-                           vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, BITS, CLIP_K, CLIP_V, SHIFT)
+                           vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, K_BITS, V_BITS, CLIP_K, CLIP_V, SHIFT)
 
 
 def clip_rank(clip_ratio: float, head_dim: int) -> int:
@@ -390,7 +390,8 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     d = lay.head_dim
     # 16 rows (the smallest dot) for the flush and for short steps; see write_block below.
     block_tokens = 16
-    common = dict(HKV=lay.kv_heads, D=d, NG=lay.groups, BITS=lay.bits, P=lay.page_size, S=lay.sink_tokens,
+    common = dict(HKV=lay.kv_heads, D=d, NG=lay.groups, K_BITS=lay.key_bits, V_BITS=lay.value_bits,
+                  P=lay.page_size, S=lay.sink_tokens,
                   R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d),
                   SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=block_tokens,
                   KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1))

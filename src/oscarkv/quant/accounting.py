@@ -8,12 +8,13 @@ from ..config import CacheConfig, QuantConfig
 from .format import bits_per_element
 
 
-def layers_bits_per_element(history_tokens: list[int], window_tokens: list[int], code_bits: list[int],
+def layers_bits_per_element(history_tokens: list[int], window_tokens: list[int], code_bits: list[float],
                             cache: CacheConfig, quant: QuantConfig) -> float:
     """Average stored bits per K/V element over layers that hold the given history and window tokens.
 
     Layer i keeps window_tokens[i] tokens at the window dtype and history_tokens[i] tokens at
-    code_bits[i] bits (2 or 4) plus their share of scale and zero.
+    code_bits[i] bits plus their share of scale and zero: 2 or 4, or 3 for a layer with INT4 keys
+    and INT2 values (the mean of its two streams' widths).
     """
     window_bits = torch.finfo(cache.window_dtype).bits
     float_history_bits = torch.finfo(cache.history_dtype or cache.window_dtype).bits
