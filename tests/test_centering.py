@@ -215,3 +215,24 @@ def test_product_artifact_roundtrips_with_choices(tmp_path):
         assert (a.v_mean is None) == (b.v_mean is None) == (not a.choice["v_centered"])
         assert a.v_mean is None or torch.allclose(a.v_mean, b.v_mean)
         assert b.paper_v_rotation is not None and torch.allclose(a.v_rotation, b.v_rotation)
+
+
+def test_report_names_the_budget_that_moves_the_worst_stream(capsys):
+    """A layer whose keys keep a large predicted error after the budget is named, with the
+    --max-bits that leaves room for those keys in INT4."""
+    from oscarkv.cli import print_calibration_report
+
+    model, artifact = _calibrated("llama", max_bits=0)
+    shape = attention_shape(model)
+    for layer in artifact.layers:
+        _set_errors(layer.choice)
+    _set_errors(artifact.layers[1].choice, error_k=0.3, error_k_int4=0.01, error_v=0.02, error_v_int4=0.001)
+    summary = apply_budget(artifact, shape, SMALL, 0, 32768)
+    print_calibration_report(artifact)
+    err = capsys.readouterr().err
+    needed = summary["bits_per_element"] + artifact.layers[1].choice["int4_cost_bits_k"]
+    assert "layers 1 keep" in err and f"--max-bits {needed:.2f} leaves room for the keys of layer 1 in INT4" in err
+    apply_budget(artifact, shape, SMALL, needed + 1e-6, 32768)  # that budget does move them
+    assert artifact.layers[1].key_bits == 4
+    print_calibration_report(artifact)
+    assert "warning" not in capsys.readouterr().err

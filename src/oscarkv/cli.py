@@ -87,7 +87,7 @@ def _ratios(text: str) -> tuple[float, ...]:
 def print_calibration_report(artifact) -> None:
     """Per-layer table of the choices and predicted errors, the budget, and warnings."""
     from .calibration.calibrate import DRIFT_MIN, DRIFT_RATIO, HIGH_ERROR
-    from .calibration.selection import predicted_error
+    from .calibration.selection import predicted_error, streams_to_fix
     from .report import format_table
 
     rows = []
@@ -121,10 +121,17 @@ def print_calibration_report(artifact) -> None:
     print(f"bits per element at {budget['context']} tokens: {budget['bits_per_element']:.3f} (pure INT2 "
           f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 keys on layers "
           f"{budget['int4_keys'] or 'none'}, INT4 values on layers {budget['int4_values'] or 'none'}")
-    high = [str(i) for i, layer in enumerate(artifact.layers) if predicted_error(layer.choice) > HIGH_ERROR]
-    if high:
+    fix = streams_to_fix(artifact, HIGH_ERROR)
+    if fix:
+        high = [str(i) for i in dict.fromkeys(i for i, _ in fix)]
+        costs = [artifact.layers[i].choice.get(f"int4_cost_bits_{kind}") for i, kind in fix]
+        hint = "raise --max-bits to move them to INT4"
+        if None not in costs:
+            names = ", ".join(f"the {'keys' if kind == 'k' else 'values'} of layer {i}" for i, kind in fix)
+            hint = (f"--max-bits {budget['bits_per_element'] + sum(costs):.2f} leaves room for {names} in INT4 "
+                    f"(+{sum(costs):.3f} bits per element)")
         print(f"warning: layers {', '.join(high)} keep a predicted attention error above {HIGH_ERROR:g} within this "
-              "budget; raise --max-bits to move them to INT4.", file=sys.stderr)
+              f"budget; {hint}.", file=sys.stderr)
     drifting = [f"{i} ({c['error_k_far'] / max(c['error_k'], 1e-12):.0f}x)"
                 for i, c in enumerate(layer.choice for layer in artifact.layers)
                 if c.get("error_k_far", 0.0) > max(DRIFT_RATIO * c["error_k"], DRIFT_MIN)]

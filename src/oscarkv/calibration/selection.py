@@ -268,6 +268,20 @@ def apply_budget(artifact, shape, cache, max_bits: float | None, context: int) -
     return summary
 
 
+def streams_to_fix(artifact, threshold: float) -> list[tuple[int, str]]:
+    """(layer, "k" or "v") of the INT2 streams that keep a layer's predicted error on the held-apart
+    text above `threshold` after the budget: in each such layer, every INT2 stream holding at least
+    half of that error."""
+    streams = []
+    for i, layer in enumerate(artifact.layers):
+        choice = layer.choice
+        total = predicted_error(choice)
+        if total > threshold:
+            streams += [(i, kind) for kind in "kv"
+                        if stream_bits(choice, kind) == 2 and stream_error(choice, kind) >= total / 2]
+    return streams
+
+
 def stream_gain(choice: dict, kind: str) -> float:
     """Predicted error that INT4 removes from stream `kind` ("k" or "v") of a layer: on the
     held-apart text, plus on the retrieval probe where it was measured."""
@@ -277,6 +291,13 @@ def stream_gain(choice: dict, kind: str) -> float:
     return gain
 
 
-def predicted_error(choice: dict) -> float:
-    """Predicted attention-output error of a layer on the held-apart text at the bits it was given."""
-    return sum(choice[f"error_{kind}{'_int4' if stream_bits(choice, kind) == 4 else ''}"] for kind in "kv")
+def stream_error(choice: dict, kind: str, probe: bool = False) -> float:
+    """Predicted attention-output error of stream `kind` of a layer at its bits, on the held-apart
+    text or (probe) on the retrieval probe."""
+    prefix = "retrieval_error" if probe else "error"
+    return choice[f"{prefix}_{kind}{'_int4' if stream_bits(choice, kind) == 4 else ''}"]
+
+
+def predicted_error(choice: dict, probe: bool = False) -> float:
+    """Predicted attention-output error of a layer at the bits it was given (see `stream_error`)."""
+    return sum(stream_error(choice, kind, probe) for kind in "kv")
