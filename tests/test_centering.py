@@ -205,6 +205,28 @@ def test_version_1_artifact_names_the_recalibration(tmp_path):
         RotationArtifact.load(path)
 
 
+def test_artifact_with_an_unknown_stream_width_is_refused(tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from oscarkv.calibration.artifact import METADATA_KEY
+
+    model, artifact = _calibrated("llama")
+    path = artifact.save(tmp_path / "rot.safetensors")
+    with safe_open(str(path), "pt") as handle:
+        meta = json.loads(handle.metadata()[METADATA_KEY])
+    meta["layers"][1]["bits_v"] = 3  # a damaged or hand-edited file
+    save_file(load_file(str(path)), str(path), metadata={METADATA_KEY: json.dumps(meta)})
+    message = "layers.1 asks for 3 bits for its v stream.*oscarkv calibrate"
+    with pytest.raises(ArtifactError, match=message):
+        RotationArtifact.load(path)
+    artifact.layers[1].choice["bits_v"] = 3
+    with pytest.raises(ArtifactError, match=message):  # nor is such a file written
+        artifact.save(tmp_path / "odd.safetensors")
+
+
 def test_product_artifact_roundtrips_with_choices(tmp_path):
     model, artifact = _calibrated("qwen3")
     loaded = RotationArtifact.load(artifact.save(tmp_path / "rot.safetensors"))
