@@ -62,7 +62,7 @@ class _Growable:
 class HistoryStore:
     """The history of one tensor stream (keys or values) of one layer.
 
-    quantize=True stores `bits`-bit codes (2, or 4 for a fallback layer) and scales; False
+    quantize=True stores `bits`-bit codes (2, or 4 for a stream moved to INT4) and scales; False
     stores `plain_dtype` tensors (the BF16 baseline and the no-quantization checks use this).
     """
 

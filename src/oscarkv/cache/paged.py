@@ -55,7 +55,8 @@ class PagedLayout:
             raise OscarError(f"head_dim={d} is not supported by the paged cache; supported: {KERNEL_HEAD_DIMS}.")
         for name in ("key_bits", "value_bits"):
             if getattr(self, name) not in (2, 4):
-                raise OscarError(f"{name}={getattr(self, name)} is not supported; use 2 (INT2) or 4 (INT4 fallback).")
+                raise OscarError(f"{name}={getattr(self, name)} is not supported; use 2 (INT2) or 4 (INT4, where "
+                                 "calibration moved a stream).")
         if g > d or d % g or g < d // 4:
             raise OscarError(
                 f"group_size={g} with head_dim={d}: the kernels need group_size in "

@@ -139,7 +139,7 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
         # The paper method is one of the candidates when its clip ratio is on the grid.
         paper_key = (False, "oscar", paper_clip)
         paper_error = scored[paper_key] if paper_key in scored else error(paper.double(), None, paper_clip, 2)
-        # An INT4 fallback layer keeps the transform but takes its own clip: a clip that pays at
+        # A stream moved to INT4 keeps the transform but takes its own clip: a clip that pays at
         # INT2 (where the grid is coarse) mostly costs accuracy at INT4.
         int4 = {c: error(rotation, mean if centered else None, c, 4) for c in grid}
         clip_int4 = min(int4, key=int4.get)

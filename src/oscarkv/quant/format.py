@@ -1,4 +1,4 @@
-"""The low-bit storage format (SPEC §2), torch reference: INT2, and INT4 as a per-layer fallback.
+"""The low-bit storage format (SPEC §2), torch reference: INT2, and INT4 for the streams calibration moves there.
 
 Per token and per group of `group_size` channels, asymmetric b-bit codes (L = 2^b - 1,
 so L = 3 for INT2 and 15 for INT4):
