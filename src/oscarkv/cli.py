@@ -121,12 +121,12 @@ def print_calibration_report(artifact) -> None:
     print(f"bits per element at {budget['context']} tokens: {budget['bits_per_element']:.3f} (pure INT2 "
           f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 keys on layers "
           f"{budget['int4_keys'] or 'none'}, INT4 values on layers {budget['int4_values'] or 'none'}")
-    fix = streams_to_fix(artifact, HIGH_ERROR)
-    if fix:
-        high = [str(i) for i in dict.fromkeys(i for i, _ in fix)]
+    high = [str(i) for i, layer in enumerate(artifact.layers) if predicted_error(layer.choice) > HIGH_ERROR]
+    if high:
+        fix = streams_to_fix(artifact, HIGH_ERROR)
         costs = [artifact.layers[i].choice.get(f"int4_cost_bits_{kind}") for i, kind in fix]
         hint = "raise --max-bits to move them to INT4"
-        if None not in costs:
+        if fix and None not in costs:
             names = ", ".join(f"the {'keys' if kind == 'k' else 'values'} of layer {i}" for i, kind in fix)
             hint = (f"--max-bits {budget['bits_per_element'] + sum(costs):.2f} leaves room for {names} in INT4 "
                     f"(+{sum(costs):.3f} bits per element)")

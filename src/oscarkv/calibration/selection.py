@@ -291,13 +291,11 @@ def stream_gain(choice: dict, kind: str) -> float:
     return gain
 
 
-def stream_error(choice: dict, kind: str, probe: bool = False) -> float:
-    """Predicted attention-output error of stream `kind` of a layer at its bits, on the held-apart
-    text or (probe) on the retrieval probe."""
-    prefix = "retrieval_error" if probe else "error"
-    return choice[f"{prefix}_{kind}{'_int4' if stream_bits(choice, kind) == 4 else ''}"]
+def stream_error(choice: dict, kind: str) -> float:
+    """Predicted attention-output error of stream `kind` of a layer on the held-apart text, at its bits."""
+    return choice[f"error_{kind}{'_int4' if stream_bits(choice, kind) == 4 else ''}"]
 
 
-def predicted_error(choice: dict, probe: bool = False) -> float:
-    """Predicted attention-output error of a layer at the bits it was given (see `stream_error`)."""
-    return sum(stream_error(choice, kind, probe) for kind in "kv")
+def predicted_error(choice: dict) -> float:
+    """Predicted attention-output error of a layer on the held-apart text at the bits it was given."""
+    return sum(stream_error(choice, kind) for kind in "kv")
