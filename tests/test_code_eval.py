@@ -70,6 +70,32 @@ def test_every_method_sees_the_same_problems(own_model):
     assert all(row["problems"] == 2 and 0 <= row["pass_at_1"] <= 100 and row["history_share"] > 80 for row in rows)
 
 
+def test_batches_are_consecutive_or_of_equal_length():
+    from oscarkv.evaluation.code import batch_indices
+
+    assert batch_indices([5, 7, 5, 7, 5], 2) == [[0, 1], [2, 3], [4]]
+    assert batch_indices([5, 7, 5, 7, 5], 2, equal_lengths=True) == [[0, 2], [4], [1, 3]]
+    assert batch_indices([], 4, equal_lengths=True) == []
+
+
+@pytest.mark.model
+def test_kivi2_runs_on_prompts_of_different_lengths(own_model):
+    """kivi2's cache refuses left padding; its batches hold prompts of one length, and the results
+    come back in problem order, each completed as it would be alone."""
+    model, tokenizer = own_model
+    problems = load_problems(3)
+    lengths = [len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in problems]
+    assert len(set(lengths)) > 1  # a padded batch would have been refused
+    cache = CacheConfig(sink_tokens=4, recent_tokens=8)
+    results = evaluate_code(model, tokenizer, problems, ["kivi2"], QuantConfig(group_size=64), cache,
+                            max_new_tokens=6, batch_size=3)
+    assert [r.task_id for r in results] == [p.task_id for p in problems]
+    assert [r.prompt_tokens for r in results] == lengths
+    alone = evaluate_code(model, tokenizer, problems[1:2], ["kivi2"], QuantConfig(group_size=64), cache,
+                          max_new_tokens=6, batch_size=1)
+    assert alone[0].completion == results[1].completion
+
+
 @pytest.mark.model
 def test_cli_prints_one_json_line_per_problem_then_the_summary():
     import subprocess

@@ -528,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--methods", default="bf16,oscar,naive", help="comma-separated methods, as for `eval ppl`")
     e.add_argument("--limit", type=int, default=None, help="only the first N of the 164 problems")
     e.add_argument("--max-new-tokens", type=int, default=384)
-    e.add_argument("--batch-size", type=int, default=32, help="prompts generated together (left-padded)")
+    e.add_argument("--batch-size", type=int, default=32, help="prompts generated together (left-padded; kivi2: prompts of equal length)")
     e.add_argument("--sink", type=int, default=64, help="BF16 sink window, tokens")
     e.add_argument("--recent", type=int, default=256, help="BF16 recent window, tokens")
     e.add_argument("--json", action="store_true", help="one JSON object per problem, then one per method")

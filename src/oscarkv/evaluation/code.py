@@ -7,7 +7,9 @@ stop sequences of the Codex paper), and the problem's own unit tests run on it i
 Python subprocess with a timeout. pass@1 with greedy decoding = the fraction of problems
 whose tests pass.
 
-Every method sees the same prompts in the same batches. A prompt and its completion are a
+Every method sees the same prompts, in left-padded batches of consecutive problems. kivi2
+groups its keys per channel over aligned runs of tokens and cannot take left padding, so its
+batches hold problems of equal prompt length instead. A prompt and its completion are a
 few hundred tokens, so with the default windows (64 sink + 256 recent tokens in BF16) most
 of a sequence never reaches the INT2 history; each result records how many tokens did, and
 `--sink` / `--recent` shrink the windows to put more of the code in INT2.
@@ -98,27 +100,43 @@ def passes_tests(problem: CodeProblem, completion: str, timeout: float = TEST_TI
     return done.returncode == 0
 
 
+def batch_indices(lengths: list[int], batch_size: int, equal_lengths: bool = False) -> list[list[int]]:
+    """Problem indices in batches of at most `batch_size`: consecutive problems, or with
+    `equal_lengths` only problems of one prompt length per batch (no padding), in order of first
+    appearance."""
+    if not equal_lengths:
+        return [list(range(start, min(start + batch_size, len(lengths))))
+                for start in range(0, len(lengths), batch_size)]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    return [group[start:start + batch_size] for group in groups.values() for start in range(0, len(group), batch_size)]
+
+
 def generate_completions(model, tokenizer, problems: list[CodeProblem], max_new_tokens: int, batch_size: int,
-                         desc: str) -> list[tuple[str, int, int]]:
-    """Greedy completions, left-padded batches: (completion text, prompt tokens, generated tokens)."""
+                         desc: str, equal_lengths: bool = False) -> list[tuple[str, int, int]]:
+    """Greedy completions, left-padded batches (or, with `equal_lengths`, unpadded batches of equal
+    prompt length): (completion text, prompt tokens, generated tokens) per problem, in order."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = []
-    for start in tqdm(range(0, len(problems), batch_size), desc=desc, unit="batch", leave=False):
-        batch = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems[start:start + batch_size]]
+    prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+    out: list[tuple[str, int, int] | None] = [None] * len(problems)
+    for indices in tqdm(batch_indices([len(ids) for ids in prompts], batch_size, equal_lengths), desc=desc,
+                        unit="batch", leave=False):
+        batch = [prompts[i] for i in indices]
         width = max(len(ids) for ids in batch)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=device)
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
         with torch.no_grad():
             generated = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                        pad_token_id=pad)[:, width:]
-        for ids, row in zip(batch, generated.tolist()):
+        for i, ids, row in zip(indices, batch, generated.tolist()):
             if tokenizer.eos_token_id in row:
                 row = row[:row.index(tokenizer.eos_token_id)]
             text = tokenizer.decode(row, skip_special_tokens=True)
             completion = truncate_completion(text)
             kept = len(tokenizer(completion, add_special_tokens=False)["input_ids"]) if completion else 0
-            out.append((completion, len(ids), min(kept, len(row))))
+            out[i] = (completion, len(ids), min(kept, len(row)))
     return out
 
 
@@ -135,7 +153,8 @@ def evaluate_code(model, tokenizer, problems: list[CodeProblem], methods: list[s
     for name in methods:
         setup = method_setup(name, model, quant, cache, artifact)
         patch_model(model, setup.artifact, setup.quant, setup.cache)
-        completions = generate_completions(model, tokenizer, problems, max_new_tokens, batch_size, f"code {name}")
+        completions = generate_completions(model, tokenizer, problems, max_new_tokens, batch_size, f"code {name}",
+                                           equal_lengths=setup.cache.key_grouping == "channel")
         with ThreadPoolExecutor(max_workers=workers) as pool:
             passed = list(pool.map(lambda pc: passes_tests(*pc), zip(problems, [c for c, _, _ in completions])))
         for problem, (completion, prompt_tokens, completion_tokens), ok in zip(problems, completions, passed):
