@@ -195,9 +195,12 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         _run(model, chunks, collector, progress, offsets)
         layers = [_layer_rotations(collector.stats[i], config.method) for i in range(shape.num_layers)]
         if product:
+            def window_of(layer: int) -> int | None:
+                """The layer's sliding window, None for full attention."""
+                return shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
+
             def score(layer: int, q, k, v) -> None:
-                sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
-                layers[layer].choice = choose_layer(layers[layer], q[0], k[0], v[0], quant, cache, sliding,
+                layers[layer].choice = choose_layer(layers[layer], q[0], k[0], v[0], quant, cache, window_of(layer),
                                                     config.clip_grid_k, config.clip_grid_v)
 
             collector.on_layer = score
@@ -209,8 +212,8 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
                 # With key_centering="rope" (the cache's default) the mean is turned by RoPE to the
                 # check's offset, R(far)·μ_K: "error_k_far_rope" is that error.
                 def score_far(layer: int, q, k, v) -> None:
-                    sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
                     choice = layers[layer].choice
+                    sliding = window_of(layer)
                     choice["error_k_far"] = chosen_key_error(layers[layer], q[0], k[0], v[0], quant, cache, sliding)
                     turned = _turned_mean(model, layers[layer].k_mean, shape.layer_types[layer], far)
                     if turned is not None:
@@ -221,9 +224,8 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
                 _run(model, [held_apart], collector, progress, [far])
             if probe:
                 def score_probe(layer: int, q, k, v) -> None:
-                    sliding = shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
                     layers[layer].choice.update(retrieval_errors(layers[layer], q[0], k[0], v[0], quant, cache,
-                                                                 sliding))
+                                                                 window_of(layer)))
 
                 collector.on_layer = score_probe
                 _run(model, [retrieval_probe(held_apart, bos_id)], collector, progress, held_offset)
