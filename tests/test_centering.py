@@ -170,6 +170,22 @@ def test_budget_counts_the_retrieval_probe():
     assert apply_budget(artifact, shape, SMALL, pure + 1.01 * one_stream, 32768)["int4_keys"] == [0]
 
 
+def test_default_budget_of_a_hybrid_model_puts_its_full_attention_keys_in_int4_first():
+    model, artifact = _calibrated("gemma3")  # sliding, sliding, full, sliding
+    shape = attention_shape(model)
+    summary = artifact.calibration["budget"]
+    assert summary["reserved_keys"] == [2] and artifact.layers[2].key_bits == 4
+    # A full-attention stream costs far more than +0.25 bits here: the reserved one is on top of it.
+    assert artifact.layers[2].choice["int4_cost_bits_k"] > 0.25
+    assert summary["max_bits"] > summary["pure_int2_bits_per_element"] + 0.25
+    assert summary["bits_per_element"] <= summary["max_bits"] + 1e-9
+    # An explicit budget reserves nothing: --max-bits 0 is pure INT2 again.
+    pure = apply_budget(artifact, shape, SMALL, 0, 32768)
+    assert pure["reserved_keys"] == [] and pure["int4_keys"] == [] and artifact.layers[2].key_bits == 2
+    # A model with one kind of layer has none to reserve.
+    assert _calibrated("llama")[1].calibration["budget"]["reserved_keys"] == []
+
+
 def test_calibration_records_the_retrieval_probe_errors():
     model, artifact = _calibrated("llama")
     assert artifact.calibration["retrieval_probe"] is True

@@ -87,7 +87,7 @@ def _ratios(text: str) -> tuple[float, ...]:
 def print_calibration_report(artifact) -> None:
     """Per-layer table of the choices and predicted errors, the budget, and warnings."""
     from .calibration.calibrate import DRIFT_MIN, DRIFT_RATIO, HIGH_ERROR
-    from .calibration.selection import predicted_error, streams_to_fix
+    from .calibration.selection import DEFAULT_EXTRA_BITS, predicted_error, streams_to_fix
     from .report import format_table
 
     rows = []
@@ -121,6 +121,10 @@ def print_calibration_report(artifact) -> None:
     print(f"bits per element at {budget['context']} tokens: {budget['bits_per_element']:.3f} (pure INT2 "
           f"{budget['pure_int2_bits_per_element']:.3f}, budget {budget['max_bits']:.3f}); INT4 keys on layers "
           f"{budget['int4_keys'] or 'none'}, INT4 values on layers {budget['int4_values'] or 'none'}")
+    if budget.get("reserved_keys"):
+        print(f"default budget of a model with sliding-window layers: the keys of its full-attention layers "
+              f"{budget['reserved_keys']} are INT4 first, then + {DEFAULT_EXTRA_BITS} bits per element go to the "
+              "streams that gain most (--max-bits 0: pure INT2; --max-bits B: B bits, no reserved streams)")
     high = [str(i) for i, layer in enumerate(artifact.layers) if predicted_error(layer.choice) > HIGH_ERROR]
     if high:
         fix = streams_to_fix(artifact, HIGH_ERROR)
@@ -464,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="oscar", choices=["oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity"])
     p.add_argument("--max-bits", type=float, default=None,
                    help="bits per element allowed (default: pure INT2 + 0.25, letting the streams - keys or "
-                        "values of a layer - that gain most use INT4; 0 = pure INT2)")
+                        "values of a layer - that gain most use INT4; in a model with sliding-window layers, the "
+                        "keys of its full-attention layers take INT4 first, on top; 0 = pure INT2)")
     p.add_argument("--no-retrieval-probe", dest="retrieval_probe", action="store_false",
                    help="spend the budget by the error on held-apart text alone, without the retrieval probe "
                         "(the held-apart chunk's first half twice); an ablation")
