@@ -61,9 +61,9 @@ def main() -> None:
     rows = []
     original_choose = calibrate_module.choose_layer
 
-    def choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v):
+    def choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v, head_k_rotation=None):
         means = {"k": layer.k_mean, "v": layer.v_mean}
-        choice = original_choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v)
+        choice = original_choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v, head_k_rotation)
         scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size, sliding)
         row = {"layer": len(rows)}
         for kind, grid, stream in (("k", grid_k, scorer.k), ("v", grid_v, scorer.v)):

@@ -1,5 +1,8 @@
 """OSCAR+ ablation, predicted: one rotation per KV head instead of one per layer.
 
+(The product option that followed, `oscarkv calibrate --key-rotations head`, is measured in
+docs/accuracy.md; this script keeps the first prediction reproducible.)
+
 Runs the product calibration (`oscarkv calibrate`'s method oscar) and, on the same held-apart
 tokens and with the same per-layer picks (centering, clip ratio), scores the OSCAR rotations
 built from each KV head's own statistics (C_Q of its query group for R_K, its C_S for R_V)
@@ -57,9 +60,9 @@ def main() -> None:
                            per_head_rotations(stats.score_weighted_value_covariance(centered=True)))
         return layer
 
-    def choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v):
+    def choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v, head_k_rotation=None):
         k_mean, v_mean = layer.k_mean, layer.v_mean
-        choice = original_choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v)
+        choice = original_choose(layer, q, k, v, quant, cache, sliding, grid_k, grid_v, head_k_rotation)
         index = layer_of[id(layer)]
         scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size, sliding)
         rk, rv = per_head[index]

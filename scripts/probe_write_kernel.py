@@ -44,7 +44,7 @@ def main() -> None:
 
         def launch():
             triton_write._write_kernel[grid](
-                k, v, k_rot, rotation if rotate else k, mean, batch.slots, batch.cu_new, batch.lengths,
+                k, v, k_rot, rotation if rotate else k, 0, mean, batch.slots, batch.cu_new, batch.lengths,
                 batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages, layer.sink_k,
                 layer.sink_v, layer.ring_k, layer.ring_v, num_warps=warps, **constants)
 

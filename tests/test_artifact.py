@@ -110,3 +110,23 @@ def test_metadata_is_json_with_provenance(tmp_path, artifact):
     assert meta["format_version"] == FORMAT_VERSION
     assert meta["model"]["head_dim"] == 32 and meta["clip_ratio_k"] == 0.96
     assert "calibration" in meta
+
+
+def test_one_key_rotation_per_kv_head_roundtrips_and_is_checked(tmp_path, artifact):
+    """k_rotation may be [Hkv, d, d]; another head count, or a non-orthogonal head, is refused."""
+    hkv, d = artifact.model.num_kv_heads, artifact.model.head_dim
+    heads = torch.stack([torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].float() for _ in range(hkv)])
+    artifact.layers[0].k_rotation = heads
+    loaded = RotationArtifact.load(artifact.save(tmp_path / "heads.safetensors"))
+    assert torch.equal(loaded.layers[0].k_rotation, heads)
+    artifact.layers[0].k_rotation = torch.cat([heads, heads[:1]])
+    with pytest.raises(ArtifactError, match=rf"layers.0.k_rotation has shape \({hkv + 1}, {d}, {d}\)"):
+        artifact.save(tmp_path / "bad.safetensors")
+    artifact.layers[0].k_rotation = heads.clone()
+    artifact.layers[0].k_rotation[1] *= 1.01
+    with pytest.raises(ArtifactError, match=r"layers.0.k_rotation\[1\] is not orthogonal"):
+        artifact.save(tmp_path / "bad.safetensors")
+    artifact.layers[0].k_rotation = heads[0]
+    artifact.layers[0].v_rotation = heads  # values take one rotation per layer (it is folded into the weights)
+    with pytest.raises(ArtifactError, match="layers.0.v_rotation has shape"):
+        artifact.save(tmp_path / "bad.safetensors")

@@ -206,3 +206,84 @@ def test_drift_check_scores_the_chosen_keys_at_the_end_of_the_context(capsys):
         layer.choice["error_k_far"] = layer.choice["error_k"]
     print_calibration_report(artifact)
     assert "drifts" not in capsys.readouterr().err
+
+
+def _fake_layer(kv_heads: int, d: int, seed: int):
+    """What `choose_layer` reads of a layer: its rotations (pooled OSCAR = paper here) and means."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    rotation = lambda: torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].float()  # noqa: E731
+    k_rot, v_rot = rotation(), rotation()
+    return SimpleNamespace(k_rotation=k_rot, paper_k_rotation=k_rot, v_rotation=v_rot, paper_v_rotation=v_rot,
+                           k_mean=torch.randn(kv_heads, d, generator=g), v_mean=torch.randn(kv_heads, d, generator=g))
+
+
+def test_per_head_key_choice_is_scored_as_the_rotation_it_stores():
+    """Each KV head picks its own key transform; the recorded error equals the error of the stacked
+    [Hkv, d, d] rotation scored as one candidate, and is at most that of one transform per layer."""
+    from oscarkv.calibration.selection import LayerScorer, choose_layer
+    from oscarkv.config import CacheConfig
+
+    from oscarkv.calibration.rotations import hadamard
+
+    kv_heads, group, tokens, d = 3, 2, 96, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(kv_heads * group, tokens, d, generator=g) * 2
+    heads = torch.stack([torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
+                         for _ in range(kv_heads)])
+    # Keys of ±1 (four INT2 levels hold them exactly) seen through a different rotation per head:
+    # head 0 as they are, head 1 through its own OSCAR rotation, head 2 through the Hadamard.
+    signs = torch.randint(0, 2, (kv_heads, tokens, d), generator=g).double() * 2 - 1
+    k = torch.stack([signs[0], signs[1] @ heads[1].T, signs[2] @ hadamard(d).T]).float()
+    v = torch.randn(kv_heads, tokens, d, generator=g)
+    quant, cache = QuantConfig(group_size=8), CacheConfig(sink_tokens=4, recent_tokens=8)
+    pooled = choose_layer(_fake_layer(kv_heads, d, 2), q, k, v, quant, cache)
+    layer = _fake_layer(kv_heads, d, 2)
+    choice = choose_layer(layer, q, k, v, quant, cache, head_k_rotation=heads)
+    assert choice["error_k"] <= pooled["error_k"] + 1e-12
+    assert choice["k_transform"] == "per-head", choice["k_transform"]
+    assert choice["k_head_transforms"] == ["identity", "oscar-head", "hadamard"] and not choice["k_centered"]
+    assert layer.k_rotation.shape == (kv_heads, d, d)
+    assert choice["error_k"] < 1e-4 < pooled["error_k"]
+    scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size)
+    mean = layer.k_mean if choice["k_centered"] else None
+    stacked = scorer.key_error(layer.k_rotation.double(), mean, choice["clip_k"], 2)
+    assert math.isclose(stacked, choice["error_k"], rel_tol=1e-6)
+    for h, name in enumerate(choice["k_head_transforms"]):  # head h holds the rotation its name says
+        if name == "oscar-head":
+            torch.testing.assert_close(layer.k_rotation[h].double(), heads[h], atol=1e-6, rtol=0)
+        elif name == "identity":
+            torch.testing.assert_close(layer.k_rotation[h], torch.eye(d))
+
+
+def test_per_head_key_rotations_through_calibration_and_the_cache(tmp_path, capsys):
+    import oscarkv
+    from oscarkv.calibration.artifact import RotationArtifact
+    from oscarkv.calibration.rotations import hadamard
+    from oscarkv.cli import print_calibration_report
+
+    model = tiny_model("llama")
+    runs = {mode: calibrate(model, _tokens(200), QUANT, CalibrationConfig(chunk_tokens=32, max_chunks=3, max_bits=0,
+                                                                          key_rotations=mode), show_progress=False)
+            for mode in ("layer", "head")}
+    head = runs["head"]
+    assert head.calibration["key_rotations"] == "head"
+    for per_layer, per_head in zip(runs["layer"].layers, head.layers):
+        assert per_head.choice["error_k"] <= per_layer.choice["error_k"] + 1e-9
+        torch.testing.assert_close(per_head.v_rotation, per_layer.v_rotation)  # values: one rotation per layer
+        assert {"c:oscar-head@0", "u:per-head@0"} <= set(per_head.choice["candidates_k"])
+    # Tiny random models pick one transform for all heads; give layer 0 a per-head pick by hand.
+    first = head.layers[0]
+    first.k_rotation = torch.stack([torch.eye(32), hadamard(32).float()])
+    first.choice.update(k_transform="per-head", k_head_transforms=["oscar-head", "hadamard"])
+    loaded = RotationArtifact.load(head.save(tmp_path / "heads.safetensors"))
+    assert loaded.layers[0].k_rotation.shape == (2, 32, 32)
+    print_calibration_report(loaded)
+    assert "per-head(o/H)" in capsys.readouterr().out
+    oscarkv.patch(model, loaded, cache=oscarkv.CacheConfig(sink_tokens=4, recent_tokens=8))
+    with torch.no_grad():
+        logits = model(_tokens(60)[None]).logits
+    assert torch.isfinite(logits).all()
+    with pytest.raises(OscarError, match="key_rotations"):
+        CalibrationConfig(key_rotations="token")

@@ -121,6 +121,14 @@ def test_key_shifts_of_rope_centering(head_dim, group, shift_block, num_splits):
     _drive(layout, 8, [[150, 90], [1, 1], [30, 1], [1, 1]], num_splits=num_splits, shift_block=shift_block)
 
 
+@pytest.mark.parametrize("head_dim,group,gqa", [(64, 64, 2), (128, 128, 4)])
+def test_one_key_rotation_per_kv_head(head_dim, group, gqa):
+    """R_K of shape [Hkv, D, D]: the write kernel rotates each KV head's keys by its own matrix,
+    in the prompt's 64-token blocks and in decode steps."""
+    layout = PagedLayout(kv_heads=3, head_dim=head_dim, group_size=group, **SMALL)
+    _drive(layout, 3 * gqa, [[80, 20], [1, 1], [1, 1]], per_head_rotation=True)
+
+
 def test_no_clipping():
     layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
     _drive(layout, 2, [[90], [1]], clip_k=0.0, clip_v=0.0)
@@ -174,6 +182,9 @@ def test_bad_dtype_and_shape_are_refused():
         write_step(run.layer, batch, k, k.float(), backend="triton")
     with pytest.raises(OscarError, match=r"\[tokens, 1, 64\]"):
         write_step(run.layer, batch, torch.zeros(2, 2, 64, device=DEVICE), torch.zeros(2, 2, 64, device=DEVICE))
+    keys = torch.zeros(2, 1, 64, device=DEVICE)
+    with pytest.raises(OscarError, match="one per KV head"):  # three per-head rotations for one KV head
+        write_step(run.layer, batch, keys, keys, torch.eye(64).expand(3, 64, 64), backend="triton")
 
 
 def test_page_table_out_of_range_is_refused():

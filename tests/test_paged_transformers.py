@@ -23,9 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGED = dict(sink_tokens=16, recent_tokens=32, page_size=16)
 
 
-def _patched(family: str, kernel: str = "paged"):
+def _patched(family: str, kernel: str = "paged", per_head: bool = False):
     model = tiny_model(family, head_dim=64, attention_scale=3.0).to(DEVICE)
-    artifact = _random_artifact(model)
+    artifact = _random_artifact(model, per_head)
     artifact.group_size = 64
     oscarkv.patch(model, artifact, quant=oscarkv.QuantConfig(group_size=64), cache=CacheConfig(kernel=kernel, **PAGED))
     return model
@@ -45,10 +45,28 @@ def test_paged_prefill_equals_reference_cache_before_any_quantization(family):
     assert (paged - reference).abs().max() < 2e-2
 
 
-def test_paged_generation_kernels_equal_torch_references():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_paged_decode_reads_rotated_keys_as_the_reference_cache_does(per_head):
+    """Decode steps over keys the write path rotated (36 tokens < sink + recent: no INT2 yet): the
+    paged cache must rotate each query by its KV head's R_K, as the reference cache does."""
+    model = _patched("llama", per_head=per_head)
+    ids = _ids(36).to(DEVICE)
+    logits = {}
+    for kernel in ("paged", "reference"):
+        model.oscar.cache = CacheConfig(kernel=kernel, **PAGED)
+        cache = model.oscar.new_cache(DEVICE)
+        with torch.no_grad():
+            steps = [model(ids[:, :30], past_key_values=cache).logits[:, -1:]]
+            steps += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(30, 36)]
+        logits[kernel] = torch.cat(steps, 1)
+    assert (logits["paged"] - logits["reference"]).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_paged_generation_kernels_equal_torch_references(per_head):
     """A prompt written straight into pages, then greedy decoding across a page flush (at 80):
-    Triton kernels vs their torch references."""
-    model = _patched("llama")
+    Triton kernels vs their torch references (also with one key rotation per KV head)."""
+    model = _patched("llama", per_head=per_head)
     ids = _ids(70).to(DEVICE)
     outputs = []
     for backend in ("auto", "torch"):

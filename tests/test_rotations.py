@@ -53,3 +53,22 @@ def test_composed_rotation_is_orthogonal():
     r = compose_rotation(vectors, values)
     assert orthogonality_error(r) < 1e-10
     assert orthogonality_error(r.float()) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["heads_then_tokens", "tokens_then_heads"])
+def test_rotate_heads_gives_each_query_head_the_rotation_of_its_kv_head(layout):
+    from oscarkv.calibration.rotations import rotate_heads
+
+    g = torch.Generator().manual_seed(0)
+    kv_heads, group, d = 3, 2, 8
+    rotations = torch.stack([torch.linalg.qr(torch.randn(d, d, generator=g))[0] for _ in range(kv_heads)])
+    x = torch.randn(2, kv_heads * group, 5, d, generator=g)  # [B, Hq, n, d]
+    expected = torch.stack([x[:, h] @ rotations[h // group] for h in range(kv_heads * group)], dim=1)
+    if layout == "heads_then_tokens":
+        out = rotate_heads(x, rotations, head_axis=1)
+    else:  # [T, H, d]
+        out = rotate_heads(x[0].transpose(0, 1), rotations, head_axis=1).transpose(0, 1)[None]
+        expected = expected[:1]
+    torch.testing.assert_close(out, expected)
+    assert out.is_contiguous() or layout == "tokens_then_heads"
+    torch.testing.assert_close(rotate_heads(x, rotations[0], head_axis=1), x @ rotations[0])  # one for all

@@ -30,20 +30,21 @@ GRAPHS = [False, True] if DEVICE == "cuda" else [False]
 PAGED_BACKEND = "auto" if DEVICE == "cuda" else "torch"
 
 
-def _model(method: str):
+def _model(method: str, per_head: bool = False):
     model = tiny_model("llama", head_dim=64, attention_scale=3.0).to(DEVICE)
     if method == "bf16":
         return oscarkv.patch(model, method="bf16", cache=CacheConfig(**PAGED))
-    artifact = _random_artifact(model)
+    artifact = _random_artifact(model, per_head)
     artifact.group_size = 64
     return oscarkv.patch(model, artifact, quant=oscarkv.QuantConfig(group_size=64),
                          cache=CacheConfig(kernel="paged", **PAGED))
 
 
-@pytest.mark.parametrize("graphs", GRAPHS)
-def test_int2_static_generation_equals_transformers_generate(graphs):
-    """70-token prompts, 30 new tokens: ring flushes at 80 and 96 happen inside the static steps."""
-    model = _model("oscar")
+@pytest.mark.parametrize("graphs,per_head", [(graphs, False) for graphs in GRAPHS] + [(GRAPHS[-1], True)])
+def test_int2_static_generation_equals_transformers_generate(graphs, per_head):
+    """70-token prompts, 30 new tokens: ring flushes at 80 and 96 happen inside the static steps
+    (also with one key rotation per KV head)."""
+    model = _model("oscar", per_head)
     ids = _ids(70, batch=2).to(DEVICE)
     state = model.oscar
     cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 100, backend=PAGED_BACKEND)

@@ -22,36 +22,43 @@ def _random_rotation(d, seed):
     return q.float()
 
 
-def _random_artifact(model):
-    """An 'oscar' artifact with random orthogonal rotations: exercises every code path of R_K and R_V."""
+def _random_artifact(model, per_head: bool = False):
+    """An 'oscar' artifact with random orthogonal rotations: exercises every code path of R_K and R_V.
+    per_head: R_K is one random rotation per KV head ([Hkv, d, d])."""
     from oscarkv.methods import data_free_artifact
 
     artifact = data_free_artifact(model, "identity", QuantConfig(group_size=16))
     artifact.method = "oscar"
+    kv_heads = artifact.model.num_kv_heads
     for i, layer in enumerate(artifact.layers):
-        layer.k_rotation = _random_rotation(layer.k_rotation.shape[0], 2 * i)
-        layer.v_rotation = _random_rotation(layer.v_rotation.shape[0], 2 * i + 1)
+        d = layer.k_rotation.shape[0]
+        layer.k_rotation = _random_rotation(d, 2 * i)
+        if per_head:
+            layer.k_rotation = torch.stack([_random_rotation(d, 100 * i + h) for h in range(kv_heads)])
+        layer.v_rotation = _random_rotation(d, 2 * i + 1)
     return artifact
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_rotation_and_absorption_without_quantization_is_exact(family):
+@pytest.mark.parametrize("family,per_head", [(family, False) for family in FAMILIES] + [("llama", True),
+                                                                                        ("qwen2", True)])
+def test_rotation_and_absorption_without_quantization_is_exact(family, per_head):
+    """Also with one key rotation per KV head: a query head must take the rotation of its own KV head."""
     model = tiny_model(family, bias_scale=1.0 if family == "qwen2" else 0.0)
     ids = _ids(40)
     with torch.no_grad():
         reference = model(ids).logits
-    oscarkv.patch(model, _random_artifact(model), cache=CacheConfig(window_dtype=torch.float32,
-                                                                   quantize_history=False, **SMALL))
+    oscarkv.patch(model, _random_artifact(model, per_head), cache=CacheConfig(window_dtype=torch.float32,
+                                                                             quantize_history=False, **SMALL))
     with torch.no_grad():
         patched = model(ids).logits
     assert torch.allclose(patched, reference, atol=1e-4, rtol=1e-4), (patched - reference).abs().max()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_equals_token_by_token_decode(family):
+@pytest.mark.parametrize("family,per_head", [(family, False) for family in FAMILIES] + [("qwen2", True)])
+def test_prefill_equals_token_by_token_decode(family, per_head):
     # float64 end to end: any difference would be a semantic one, not rounding.
     model = tiny_model(family, dtype=torch.float64)
-    oscarkv.patch(model, _random_artifact(model), cache=CacheConfig(window_dtype=torch.float64, **SMALL))
+    oscarkv.patch(model, _random_artifact(model, per_head), cache=CacheConfig(window_dtype=torch.float64, **SMALL))
     ids = _ids(60)
     with torch.no_grad():
         full = model(ids).logits

@@ -64,7 +64,8 @@ def cmd_calibrate(args) -> int:
                                clip_grid_k=_ratios(args.clip_grid_k), clip_grid_v=_ratios(args.clip_grid_v),
                                value_weights=getattr(args, "value_weights", "proxy"),
                                positions=getattr(args, "positions", "start"),
-                               retrieval_probe=getattr(args, "retrieval_probe", True))
+                               retrieval_probe=getattr(args, "retrieval_probe", True),
+                               key_rotations=getattr(args, "key_rotations", "layer"))
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
@@ -87,7 +88,7 @@ def _ratios(text: str) -> tuple[float, ...]:
 def print_calibration_report(artifact) -> None:
     """Per-layer table of the choices and predicted errors, the budget, and warnings."""
     from .calibration.calibrate import DRIFT_MIN, DRIFT_RATIO, HIGH_ERROR
-    from .calibration.selection import DEFAULT_EXTRA_BITS, predicted_error, streams_to_fix
+    from .calibration.selection import DEFAULT_EXTRA_BITS, key_transform_name, predicted_error, streams_to_fix
     from .report import format_table
 
     rows = []
@@ -95,7 +96,7 @@ def print_calibration_report(artifact) -> None:
         c = layer.choice
         rows.append({
             "layer": str(i),
-            "k": f"{'c-' if c['k_centered'] else ''}{c['k_transform']}@{layer.clip('k', 0.0):g}",
+            "k": f"{'c-' if c['k_centered'] else ''}{key_transform_name(c)}@{layer.clip('k', 0.0):g}",
             "v": f"{'c-' if c['v_centered'] else ''}{c['v_transform']}@{layer.clip('v', 0.0):g}",
             "bits": f"{layer.key_bits}/{layer.value_bits}", "error": predicted_error(c),
             "int2": c["error_k"] + c["error_v"], "int4": c["error_k_int4"] + c["error_v_int4"],
@@ -103,8 +104,10 @@ def print_calibration_report(artifact) -> None:
             "paper": (c["paper_error_k"] or 0.0) + (c["paper_error_v"] or 0.0),
             "k_near": c["error_k"], "k_far": c.get("error_k_far"), "k_far_rope": c.get("error_k_far_rope"),
         })
-    print("\nper-layer choice (c- = centered; bits: keys/values; errors: relative squared error of the attention "
-          "output on held-apart tokens; K probe: the INT2 key error on the retrieval probe; paper = uncentered "
+    per_head = " (per-head: each KV head's transform, I/H/O = identity/Hadamard/OSCAR, o = its own OSCAR)" \
+        if artifact.calibration.get("key_rotations") == "head" else ""
+    print(f"\nper-layer choice{per_head} (c- = centered; bits: keys/values; errors: relative squared error of the "
+          "attention output on held-apart tokens; K probe: the INT2 key error on the retrieval probe; paper = uncentered "
           "OSCAR of SPEC §1-§4; INT4 +bits/elt: the cost of one stream in INT4)")
     print(format_table(rows, [("layer", "layer", "s"), ("k", "K transform@clip", "s"), ("v", "V transform@clip", "s"),
                               ("bits", "bits", "s"), ("error", "error", ".2e"), ("int2", "INT2", ".2e"),
@@ -481,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--value-weights", choices=("proxy", "attention"), default="proxy",
                    help="token weights of the value covariance C_S: proxy = k C_Q k^T (the paper); attention = "
                         "the attention probability each key receives on the calibration text (OSCAR+)")
+    p.add_argument("--key-rotations", choices=("layer", "head"), default="layer",
+                   help="layer = one key rotation per layer (the paper); head = also an OSCAR rotation from each "
+                        "KV head's own queries, and each KV head picks its own key transform (OSCAR+)")
     p.add_argument("--positions", choices=("start", "spread"), default="start",
                    help="positions the calibration chunks run at: start = 0..chunk-1 (the paper); spread = "
                         "offsets spread over the model's context, so the key mean holds at every position")

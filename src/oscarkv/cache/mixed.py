@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .. import rope
 from ..config import CacheConfig, QuantConfig
+from ..calibration.rotations import rotate_heads
 from ..errors import OscarError
 from .history import ChannelGroupedHistory, HistoryStore, TurboQuantHistory
 
@@ -31,7 +32,7 @@ from .history import ChannelGroupedHistory, HistoryStore, TurboQuantHistory
 class LayerSpec:
     """What the write path of one layer needs."""
 
-    k_rotation: torch.Tensor | None  # [d, d] float32, None = identity
+    k_rotation: torch.Tensor | None  # [d, d] float32, or [Hkv, d, d] one per KV head; None = identity
     quant: QuantConfig  # group size, this layer's clip ratios, scale dtype
     sliding_window: int | None = None
     k_mean: torch.Tensor | None = None  # [Hkv, d]: subtracted from every key before R_K (SPEC §6)
@@ -162,11 +163,12 @@ class OscarLayer(DynamicLayer):
         return self.rotate(keys)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ R_K in at least float32 (queries: [B, H_q, n, D]; keys after centering)."""
+        """x @ R_K in at least float32 (queries: [B, H_q, n, D]; keys after centering); a query head
+        takes the rotation of its KV head where R_K is one per KV head."""
         if self.k_rotation is None:
             return x
         dtype = torch.promote_types(x.dtype, torch.float32)
-        return x.to(dtype) @ self.k_rotation.to(dtype)
+        return rotate_heads(x.to(dtype), self.k_rotation.to(dtype), head_axis=1)
 
     def key_shift(self, first_slot: int, n: int) -> torch.Tensor | None:
         """[B, Hkv, n, d] float32: the (R(o) - 1)·μ_K·R_K of slots first_slot.. of each row (their

@@ -1,7 +1,8 @@
 """The rotations artifact: safetensors tensors plus a JSON metadata header.
 
 Tensors (float32), per layer i:
-    layers.{i}.k_rotation   [d, d]   R_K used at run time
+    layers.{i}.k_rotation   [d, d]   R_K used at run time ([Hkv, d, d]: one per KV head, where
+                                     calibration chose per-head key rotations)
     layers.{i}.v_rotation   [d, d]   R_V used at run time
     layers.{i}.k_eigenvalues [d]     spectrum of C_Q (descending; ones for data-free methods)
     layers.{i}.v_eigenvalues [d]     spectrum of C_S
@@ -73,7 +74,7 @@ def stream_bits(choice: dict, kind: str) -> int:
 
 @dataclass
 class LayerRotation:
-    k_rotation: torch.Tensor  # [d, d]
+    k_rotation: torch.Tensor  # [d, d], or [Hkv, d, d]: one per KV head (`--key-rotations head`)
     v_rotation: torch.Tensor  # [d, d]
     k_eigenvalues: torch.Tensor  # [d]
     v_eigenvalues: torch.Tensor  # [d]
@@ -197,9 +198,11 @@ class RotationArtifact:
                 r = getattr(layer, name)
                 if r is None:
                     continue
-                if tuple(r.shape) != (d, d):
+                shapes = [(d, d)] + ([(self.model.num_kv_heads, d, d)] if name == "k_rotation" else [])
+                if tuple(r.shape) not in shapes:
+                    expected = " or ".join(str(s) for s in shapes)
                     raise ArtifactError(
-                        f"layers.{i}.{name} has shape {tuple(r.shape)}, expected ({d}, {d}); "
+                        f"layers.{i}.{name} has shape {tuple(r.shape)}, expected {expected}; "
                         "re-run `oscarkv calibrate`."
                     )
                 if not torch.isfinite(r).all():

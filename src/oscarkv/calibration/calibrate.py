@@ -6,7 +6,8 @@ Methods:
                  small clip grid by attention-output error on held-apart tokens; the streams (keys
                  or values of a layer) whose INT4 (at a clip chosen for INT4) removes the most
                  predicted error per bit, on those tokens and on a retrieval probe, move to INT4
-                 while the cache stays within the bit budget
+                 while the cache stays within the bit budget; with key_rotations="head" the keys
+                 also try an OSCAR rotation per KV head and each KV head picks its own transform
     oscar-paper  SPEC §1 exactly: R_K = U_Q·H·P_br (C_Q pooled over GQA groups),
                  R_V = U_S·H·P_br (C_S with weights k C_Q kᵀ), no centering, INT2 everywhere
     ktk          like oscar-paper, but R_K from the key covariance KᵀK (ablation)
@@ -35,6 +36,7 @@ from .selection import (CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer, ch
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
 VALUE_WEIGHTS = ("proxy", "attention")
+KEY_ROTATIONS = ("layer", "head")
 CALIBRATION_POSITIONS = ("start", "spread")
 HIGH_ERROR = 0.05  # predicted relative attention-output error above which calibration warns
 # The drift check: a layer whose predicted key error at the far end of the context exceeds both
@@ -71,6 +73,9 @@ class CalibrationConfig:
     # The budget also counts each stream's error on a retrieval probe (the held-apart chunk's first
     # half twice; `selection.retrieval_probe`). False: the held-apart text alone (the ablation).
     retrieval_probe: bool = True
+    # "layer": one R_K per layer (the paper); "head" (OSCAR+ option): also an OSCAR R_K from each KV
+    # head's own C_Q, and each KV head may pick its own key transform (`selection.choose_layer`).
+    key_rotations: str = "layer"
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -84,6 +89,8 @@ class CalibrationConfig:
                 raise OscarError(f"clip grid {grid} must be a non-empty list of ratios <= 1 (0 = no clip).")
         if self.value_weights not in VALUE_WEIGHTS:
             raise OscarError(f"value_weights={self.value_weights!r} must be one of {', '.join(VALUE_WEIGHTS)}.")
+        if self.key_rotations not in KEY_ROTATIONS:
+            raise OscarError(f"key_rotations={self.key_rotations!r} must be one of {', '.join(KEY_ROTATIONS)}.")
         if self.positions not in CALIBRATION_POSITIONS:
             raise OscarError(f"positions={self.positions!r} must be one of {', '.join(CALIBRATION_POSITIONS)}.")
         if self.max_bits is not None and self.max_bits < 0:
@@ -199,9 +206,12 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
                 """The layer's sliding window, None for full attention."""
                 return shape.sliding_window if shape.layer_types[layer] == "sliding_attention" else None
 
+            head_rotations = [head_key_rotations(collector.stats[i]) if config.key_rotations == "head" else None
+                              for i in range(shape.num_layers)]
+
             def score(layer: int, q, k, v) -> None:
                 layers[layer].choice = choose_layer(layers[layer], q[0], k[0], v[0], quant, cache, window_of(layer),
-                                                    config.clip_grid_k, config.clip_grid_v)
+                                                    config.clip_grid_k, config.clip_grid_v, head_rotations[layer])
 
             collector.on_layer = score
             _run(model, [held_apart], collector, progress, held_offset)
@@ -242,6 +252,7 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         "max_offset": max(offsets) if offsets else 0,
         "drift_check_offset": far,
         "retrieval_probe": probe,
+        "key_rotations": config.key_rotations if product else "layer",
         "sources": list(sources or []),
         "model_source": getattr(model, "oscar_source", None),
     }
@@ -250,6 +261,12 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
     if product:
         apply_budget(artifact, shape, cache, config.max_bits, config.budget_context)
     return artifact
+
+
+def head_key_rotations(stats) -> torch.Tensor:
+    """[Hkv, d, d] float64: the OSCAR R_K of each KV head from its own C_Q (its query group's)."""
+    return torch.stack([compose_rotation(vectors, values) for values, vectors in
+                        (sorted_eigh(c_q) for c_q in stats.query_covariance())])
 
 
 def _layer_rotations(stats, method: str) -> LayerRotation:

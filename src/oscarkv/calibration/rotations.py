@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ..errors import ArtifactError, UnsupportedModelError
+from ..errors import ArtifactError, OscarError, UnsupportedModelError
 
 ORTHOGONALITY_TOLERANCE = 1e-4  # ||RᵀR - I||_max for a float32-stored rotation
 
@@ -75,9 +75,33 @@ def orthogonality_error(r: torch.Tensor) -> float:
 
 
 def check_orthogonal(r: torch.Tensor, name: str) -> None:
+    """Raise ArtifactError unless r ([d, d], or [H, d, d]: each of them) is orthogonal."""
+    if r.dim() == 3:
+        for head, matrix in enumerate(r):
+            check_orthogonal(matrix, f"{name}[{head}]")
+        return
     err = orthogonality_error(r)
     if not err <= ORTHOGONALITY_TOLERANCE:
         raise ArtifactError(
             f"{name} is not orthogonal (max |RᵀR - I| = {err:.2e} > {ORTHOGONALITY_TOLERANCE:g}); "
             "the artifact is corrupt: re-run `oscarkv calibrate`."
         )
+
+
+def rotate_heads(x: torch.Tensor, rotation: torch.Tensor, head_axis: int) -> torch.Tensor:
+    """x @ R for every head of x, where R is one [d, d] rotation for all heads or one per KV head.
+
+    x: a tensor whose last axis is the head dimension d and whose axis `head_axis` holds H heads
+    (query heads, or KV heads); rotation: [d, d], or [Hkv, d, d] with H a multiple of Hkv, head i
+    taking rotation[i // (H // Hkv)] (the KV head of its GQA group). Computed in x's dtype.
+    """
+    if rotation.dim() == 2:
+        return x @ rotation
+    kv_heads = rotation.shape[0]
+    moved = x.movedim(head_axis, -3)  # [..., H, n, d]
+    heads = moved.shape[-3]
+    if heads % kv_heads:
+        raise OscarError(f"{heads} heads cannot share {kv_heads} per-KV-head rotations evenly.")
+    grouped = moved.reshape(*moved.shape[:-3], kv_heads, heads // kv_heads, *moved.shape[-2:])
+    rotated = grouped @ rotation[:, None]  # [..., Hkv, g, n, d] @ [Hkv, 1, d, d]
+    return rotated.reshape(moved.shape).movedim(-3, head_axis).contiguous()

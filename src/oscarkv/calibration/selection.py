@@ -98,22 +98,65 @@ class LayerScorer:
         out = self._attend(k_hist, v_hist)
         return float((out - self.exact).double().pow(2).sum() / self.norm)
 
+    def _head_errors(self, k_hist: torch.Tensor, v_hist: torch.Tensor) -> torch.Tensor:
+        """[Hkv] float64: each KV head's share of `_error` (the squared error of the outputs of its
+        query heads over the norm of all outputs); they add up to `_error`."""
+        out = self._attend(k_hist, v_hist)
+        per_query_head = (out - self.exact).double().pow(2).sum(dim=(1, 2))
+        return per_query_head.reshape(self.k.shape[0], -1).sum(1) / self.norm
+
     def key_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
         return self._error(roundtrip(self.k, mean, rotation, bits, self.group_size, clip), self.v)
+
+    def key_head_errors(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float,
+                        bits: int) -> torch.Tensor:
+        """[Hkv]: the key error of each KV head. A key of KV head h reaches only the query heads of
+        its group, so the heads' errors are independent and a per-head choice adds them up."""
+        return self._head_errors(roundtrip(self.k, mean, rotation, bits, self.group_size, clip), self.v)
 
     def value_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
         return self._error(self.k, roundtrip(self.v, mean, rotation, bits, self.group_size, clip))
 
 
+# One-letter names of the key transforms in a per-head pick (the calibration report prints them).
+HEAD_TRANSFORM_LETTERS = {"identity": "I", "hadamard": "H", "oscar": "O", "oscar-head": "o"}
+
+
+def key_transform_name(choice: dict) -> str:
+    """The key transform of a layer's choice, a per-head pick spelled out: "per-head(o/H/o)"."""
+    heads = choice.get("k_head_transforms")
+    if choice["k_transform"] != "per-head" or not heads:
+        return choice["k_transform"]
+    return f"per-head({'/'.join(HEAD_TRANSFORM_LETTERS[name] for name in heads)})"
+
+
+def _per_head_picks(head_scored: dict, names: list[str]) -> dict:
+    """For each (centered, clip) of the key candidates, every KV head's best transform.
+
+    head_scored: (centered, name, clip) -> [Hkv] errors. Returns (centered, clip) -> (per-head
+    names, total error): the heads' errors are independent, so the pick's error is their sum."""
+    picks = {}
+    for centered, clip in dict.fromkeys((c, cl) for c, _, cl in head_scored):
+        errors = torch.stack([head_scored[(centered, name, clip)] for name in names])  # [names, Hkv]
+        best, index = errors.min(dim=0)
+        picks[(centered, clip)] = ([names[i] for i in index.tolist()], float(best.sum()))
+    return picks
+
+
 def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
                  sliding_window: int | None = None, clip_grid_k: tuple[float, ...] = CLIP_GRID_K,
-                 clip_grid_v: tuple[float, ...] = CLIP_GRID_V) -> dict:
+                 clip_grid_v: tuple[float, ...] = CLIP_GRID_V, head_k_rotation: torch.Tensor | None = None) -> dict:
     """Pick, for K and for V of one layer, centering, transform and clip; sets the layer's rotations and means.
 
     q: [Hq, T, d], k, v: [Hkv, T, d] of held-apart tokens. Candidates: centered or not ×
     identity / Hadamard / OSCAR (the uncentered OSCAR is the paper's) × the clip grid. Returns
     the layer's choice record: the picks, bits = 2, and the predicted errors at INT2 and INT4
     and of the paper method (uncentered OSCAR with the configured clip ratios).
+
+    head_k_rotation: [Hkv, d, d], OSCAR rotations from each KV head's own C_Q (`--key-rotations
+    head`). The keys then also try it ("oscar-head"), and each KV head may take its own
+    transform ("per-head": k_rotation becomes [Hkv, d, d], `k_head_transforms` names them);
+    centering and clip stay one per layer.
     """
     from .rotations import hadamard
 
@@ -129,13 +172,32 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
     choice: dict = {"bits_k": 2, "bits_v": 2}
     for kind, grid, mean, error, centered_oscar, paper, paper_clip in streams:
         options = {}  # (centered, transform) -> rotation
+        per_head = kind == "k" and head_k_rotation is not None
         for centered, oscar in ((True, centered_oscar), (False, paper)):
             options.update({(centered, "identity"): eye, (centered, "hadamard"): had,
                             (centered, "oscar"): oscar.double()})
-        scored = {(centered, name, clip): error(rotation, mean if centered else None, clip, 2)
-                  for (centered, name), rotation in options.items() for clip in grid}
+            if per_head:
+                options[(centered, "oscar-head")] = head_k_rotation.double()
+        if per_head:
+            head_scored = {(centered, name, clip): scorer.key_head_errors(rotation, mean if centered else None, clip, 2)
+                           for (centered, name), rotation in options.items() for clip in grid}
+            scored = {key: float(errors.sum()) for key, errors in head_scored.items()}
+            names = list(dict.fromkeys(name for _, name in options))
+            picks = _per_head_picks(head_scored, names)
+            # A mix of transforms over the heads (listed after the uniform candidates, so that a
+            # tie keeps the uniform one).
+            scored.update({(centered, "per-head", clip): total for (centered, clip), (_, total) in picks.items()})
+        else:
+            scored = {(centered, name, clip): error(rotation, mean if centered else None, clip, 2)
+                      for (centered, name), rotation in options.items() for clip in grid}
         (centered, name, clip), best = min(scored.items(), key=lambda item: item[1])
-        rotation = options[(centered, name)]
+        if name == "per-head":
+            head_names = picks[(centered, clip)][0]
+            rotation = torch.stack([options[(centered, n)][h] if n == "oscar-head" else options[(centered, n)]
+                                    for h, n in enumerate(head_names)])
+            choice["k_head_transforms"] = head_names
+        else:
+            rotation = options[(centered, name)]
         # The paper method is one of the candidates when its clip ratio is on the grid.
         paper_key = (False, "oscar", paper_clip)
         paper_error = scored[paper_key] if paper_key in scored else error(paper.double(), None, paper_clip, 2)

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..cache.mixed import LayerSpec
 from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
+from ..calibration.rotations import rotate_heads
 from ..config import CacheConfig
 from ..errors import OscarError
 from ..kernels.ops import attend_step, write_step
@@ -94,10 +95,10 @@ class PagedOscarLayer(AttendingLayer):
         return self, self
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ R_K (queries [B, Hq, n, D]) in float32."""
+        """x @ R_K (queries [B, Hq, n, D]) in float32, per KV head where R_K is one per KV head."""
         if self.k_rotation is None:
             return x.float()
-        return x.float() @ self.k_rotation
+        return rotate_heads(x.float(), self.k_rotation, head_axis=1)
 
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""

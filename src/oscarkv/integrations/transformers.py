@@ -31,6 +31,7 @@ from .. import rope
 from ..attention import oscar_attention_reference
 from ..cache.mixed import LayerSpec, OscarCache, OscarLayer
 from ..calibration.artifact import RotationArtifact
+from ..calibration.rotations import rotate_heads
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 from ..kernels.ops import triton_available
@@ -219,7 +220,7 @@ def with_key_shifts(specs: list[LayerSpec], centering: str, artifact: RotationAr
                 continue
             shifts = rope.mean_shifts(spec.k_mean, frequencies(layer_type), block, max_positions)
             if spec.k_rotation is not None:
-                shifts = shifts @ spec.k_rotation.to(torch.float64)
+                shifts = rotate_heads(shifts, spec.k_rotation.to(torch.float64), head_axis=1)
             shifted.append(replace(spec, k_mean_shifts=shifts.float(), shift_block=block))
         return shifted
     except OscarError:

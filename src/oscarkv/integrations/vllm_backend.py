@@ -29,6 +29,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from .. import rope
 from ..cache.mixed import LayerSpec
+from ..calibration.rotations import rotate_heads
 from ..errors import OscarError
 from .transformers import layer_specs, with_key_shifts
 from .vllm_format import CellFormat, LaneMap, RequestWindows, attend_chunk, shared_cell_bytes
@@ -227,7 +228,8 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
 
     @staticmethod
     def _rotate(x: torch.Tensor, state: _LayerState) -> torch.Tensor:
-        return x if state.k_rotation is None else x @ state.k_rotation
+        """x: [n, H, D] (queries, or keys after centering)."""
+        return x if state.k_rotation is None else rotate_heads(x, state.k_rotation, head_axis=1)
 
     def _read_history(self, pages: torch.Tensor, block_row: torch.Tensor, length: int, state: _LayerState):
         """Dequantized keys/values of the positions some query of the chunk reads from INT2:

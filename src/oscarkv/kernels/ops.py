@@ -91,7 +91,8 @@ def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Te
                clip_v: float = 0.0, backend: str = "auto", validate: bool = True) -> torch.Tensor:
     """Store a step's new keys/values ([T, Hkv, D], after RoPE) in the paged cache.
 
-    rotation: [D, D] R_K or None; mean: [Hkv, D] μ_K or None. Returns the rotated keys
+    rotation: [D, D] R_K, [Hkv, D, D] (one per KV head) or None; mean: [Hkv, D] μ_K or None.
+    Returns the rotated keys
     [T, Hkv, D] in the window dtype, which `attend_step` reads for the step's own tokens.
     validate=False skips the checks that synchronise with the device (CUDA-graph capture).
     """
@@ -102,6 +103,10 @@ def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Te
         if int(batch.cu_new[-1]) != k.shape[0]:
             raise OscarError(f"cu_new says {int(batch.cu_new[-1])} new tokens but k has {k.shape[0]}.")
     if rotation is not None:
+        shapes = ((lay.head_dim, lay.head_dim), (lay.kv_heads, lay.head_dim, lay.head_dim))
+        if tuple(rotation.shape) not in shapes:
+            raise OscarError(f"the key rotation has shape {tuple(rotation.shape)}; this layer needs "
+                             f"{shapes[0]} or, one per KV head, {shapes[1]}.")
         rotation = rotation.to(device=k.device, dtype=torch.float32).contiguous()
     if mean is not None:
         mean = mean.to(device=k.device, dtype=torch.float32).contiguous()

@@ -20,17 +20,19 @@ from __future__ import annotations
 import torch
 
 from ..cache.paged import PagedLayer, StepBatch
+from ..calibration.rotations import rotate_heads
 from ..quant.format import QuantizedTensor, dequantize, quantize
 
 
 def rotate_keys_reference(k: torch.Tensor, rotation: torch.Tensor | None, mean: torch.Tensor | None,
                           dtype: torch.dtype) -> torch.Tensor:
-    """k: [T, Hkv, D] -> (k - mean[h])·R in float32, rounded to `dtype`."""
+    """k: [T, Hkv, D] -> (k - mean[h])·R in float32, rounded to `dtype` (R: [D, D], or [Hkv, D, D],
+    R[h] for KV head h)."""
     x = k.float()
     if mean is not None:
         x = x - mean.float()[None]
     if rotation is not None:
-        x = x @ rotation.float()
+        x = rotate_heads(x, rotation.float(), head_axis=1)
     return x.to(dtype)
 
 

@@ -294,7 +294,7 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
 
 
 @triton.jit
-def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
+def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr,
                   slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
@@ -323,7 +323,8 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, mean_ptr,
         x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         if CENTER:
             x = x - tl.load(mean_ptr + h * D + cols)[None, :]
-        r_rows = rot_ptr + cols[:, None] * D + tl.arange(0, W)[None, :]
+        # R_K of this KV head: rot_head_stride is 0 for one rotation per layer, D * D for one per head.
+        r_rows = rot_ptr + h * rot_head_stride + cols[:, None] * D + tl.arange(0, W)[None, :]
         k0 = tl.dot(x, tl.load(r_rows), input_precision="tf32x3")
         k1 = tl.dot(x, tl.load(r_rows + W), input_precision="tf32x3")
         k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="tf32x3")
@@ -412,7 +413,8 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     # Short steps (decode) keep blocks of 16 for latency.
     write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens
     write_grid = (b, triton.cdiv(batch.max_new, write_block), lay.kv_heads)
-    _write_kernel[write_grid](k, v, k_rot, rotation if rotation is not None else k,
+    rotation_stride = d * d if rotation is not None and rotation.dim() == 3 else 0
+    _write_kernel[write_grid](k, v, k_rot, rotation if rotation is not None else k, rotation_stride,
                               mean if mean is not None else k,
                               batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
                               *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *shifts,
