@@ -97,6 +97,31 @@ def test_kivi2_runs_on_prompts_of_different_lengths(own_model):
 
 
 @pytest.mark.model
+def test_stopping_at_the_first_stop_sequence_keeps_every_completion(own_model, monkeypatch):
+    """Rows end once their text holds a stop sequence; the cut completions are the same as when
+    every row runs to the token limit, and generation did end early."""
+    from oscarkv.evaluation import code
+    from oscarkv.integrations.transformers import patch_model
+    from oscarkv.methods import method_setup
+
+    model, tokenizer = own_model
+    setup = method_setup("bf16", model, QuantConfig(group_size=64), CacheConfig())  # an earlier test left kivi2
+    patch_model(model, setup.artifact, setup.quant, setup.cache)
+    texts = ["    return a\n\ndef g():", "    return a\n    # ok"]
+    ids = tokenizer(texts, padding=True, return_tensors="pt")["input_ids"]
+    assert code.StopAtTopLevelStatement(tokenizer, 0)(ids, None).tolist() == [True, False]
+    steps = []
+    check = code.StopAtTopLevelStatement.__call__
+    monkeypatch.setattr(code.StopAtTopLevelStatement, "__call__",
+                        lambda self, *a, **k: steps.append(1) or check(self, *a, **k))
+    problems = load_problems(3)[1:]  # HumanEval/1 and /2: SmolLM2 ends them after 2 and 46 tokens
+    early, full = (code.generate_completions(model, tokenizer, problems, 60, 2, "test", stop_early=stop)
+                   for stop in (True, False))
+    assert early == full
+    assert len(steps) < 60
+
+
+@pytest.mark.model
 def test_cli_prints_one_json_line_per_problem_then_the_summary():
     import subprocess
     import sys
