@@ -15,6 +15,7 @@ import triton
 from oscarkv.benchmarks.attention import _layout, copy_bandwidth_gbs
 from oscarkv.cache.paged import PagedKVCache
 from oscarkv.kernels import triton_write
+from oscarkv.kernels.ops import rotation_pieces
 
 TOKENS, KV_HEADS, HEAD_DIM = 32768, 8, 128
 
@@ -34,26 +35,30 @@ def main() -> None:
     clip_k, clip_v = triton_write.clip_rank(0.96, HEAD_DIM), triton_write.clip_rank(0.92, HEAD_DIM)
     print(f"copy bandwidth {copy_bandwidth_gbs(device):.0f} GB/s; {torch.cuda.get_device_name(device)}")
 
-    def time_us(block: int, warps: int, rotate: bool, clip: bool) -> float:
+    pieces = rotation_pieces(rotation, mean)
+
+    def time_us(block: int, warps: int, rotate: int, clip: bool) -> float:
+        """rotate: 2 bfloat16 pieces (what bfloat16 keys take), 1 float32 (tf32x3) dots, 0 none."""
         grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)
         constants = dict(HKV=KV_HEADS, D=HEAD_DIM, NG=layout.groups, K_BITS=layout.key_bits,
                          V_BITS=layout.value_bits, P=layout.page_size,
                          S=layout.sink_tokens, R=layout.recent_tokens, CLIP_K=clip_k if clip else -1,
                          CLIP_V=clip_v if clip else -1, SHIFT=triton_write.pattern_shift(layer.ring_k.dtype),
-                         ROTATE=rotate, CENTER=True, BLOCK_T=block)
+                         ROTATE=rotate, CENTER=True, BLOCK_T=block, KEY_SHIFTS=False, SHIFT_BLOCK=1,
+                         enable_fp_fusion=False)
 
         def launch():
             triton_write._write_kernel[grid](
-                k, v, k_rot, rotation if rotate else k, 0, mean, batch.slots, batch.cu_new, batch.lengths,
-                batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages, layer.sink_k,
-                layer.sink_v, layer.ring_k, layer.ring_v, num_warps=warps, **constants)
+                k, v, k_rot, rotation, 0, mean, pieces.pieces, pieces.mean_rotated, batch.slots, batch.cu_new,
+                batch.lengths, batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages,
+                layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, k, 1, num_warps=warps, **constants)
 
         return triton.testing.do_bench(launch, warmup=20, rep=200) * 1e3
 
-    print("block  warps  everything  no-rotation  no-clip  neither   (µs)")
-    for block, warps in ((16, 4), (16, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
-        row = [time_us(block, warps, rotate, clip) for rotate, clip in ((1, 1), (0, 1), (1, 0), (0, 0))]
-        print(f"{block:5d}  {warps:5d}  " + "  ".join(f"{t:10.1f}" for t in row))
+    print("block  warps  everything  float32-rotation  no-rotation  no-clip  neither   (µs)")
+    for block, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
+        row = [time_us(block, warps, rotate, clip) for rotate, clip in ((2, 1), (1, 1), (0, 1), (2, 0), (0, 0))]
+        print(f"{block:5d}  {warps:5d}  " + "  ".join(f"{t:10.1f}" for t in row), flush=True)
 
 
 if __name__ == "__main__":

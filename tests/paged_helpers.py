@@ -19,9 +19,10 @@ class PagedRun:
     def __init__(self, layout: PagedLayout, slots: int, max_context: int, query_heads: int, backend: str,
                  seed: int = 0, device="cpu", center: bool = True, rotate: bool = True,
                  clip_k: float = 0.96, clip_v: float = 0.92, window_dtype=torch.bfloat16,
-                 shift_block: int = 0, per_head_rotation: bool = False) -> None:
+                 shift_block: int = 0, per_head_rotation: bool = False, mean_offset: float = 0.0) -> None:
         """shift_block > 0: random key shifts (key_centering="rope") over blocks of that many positions;
-        per_head_rotation: one random R_K per KV head ([Hkv, D, D]) instead of one for the layer."""
+        per_head_rotation: one random R_K per KV head ([Hkv, D, D]) instead of one for the layer;
+        mean_offset: added to μ_K (large means, as in Qwen's key channels)."""
         g = torch.Generator().manual_seed(seed)
         self.layout, self.backend, self.device = layout, backend, torch.device(device)
         pages = slots * (layout.pages_needed(max_context) + 1)
@@ -33,7 +34,8 @@ class PagedRun:
             heads = layout.kv_heads if per_head_rotation else 1
             rotations = torch.stack([random_rotation(layout.head_dim, g) for _ in range(heads)])
             self.rotation = (rotations if per_head_rotation else rotations[0]).to(device)
-        self.mean = (torch.randn(layout.kv_heads, layout.head_dim, generator=g) * 0.5).to(device) if center else None
+        mean = torch.randn(layout.kv_heads, layout.head_dim, generator=g) * 0.5 + mean_offset
+        self.mean = mean.to(device) if center else None
         self.clip_k, self.clip_v = clip_k, clip_v
         if shift_block:
             blocks = -(-max_context // shift_block)

@@ -11,9 +11,10 @@ import torch
 
 from oscarkv.cache.paged import CacheFullError, PagedKVCache, PagedLayout
 from oscarkv.errors import OscarError
-from oscarkv.kernels.ops import attend_step, check_block_table, resolve_backend, triton_available, write_step
+from oscarkv.kernels.ops import (attend_step, check_block_table, resolve_backend, rotation_pieces, triton_available,
+                                 uses_rotation_pieces, write_step)
 from oscarkv.kernels.reference import stored_kv_reference
-from paged_helpers import PagedRun, random_step
+from paged_helpers import PagedRun, random_rotation, random_step
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 
@@ -28,8 +29,10 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
-           num_splits: int | None = None, window_splits: int | None = None, values=None, **run_options) -> None:
-    """`values`: a function mapping each random k and v to the values the step writes (default: as drawn)."""
+           num_splits: int | None = None, window_splits: int | None = None, values=None, key_offset: float = 0.0,
+           **run_options) -> None:
+    """`values`: a function mapping each random k and v to the values the step writes (default: as drawn);
+    key_offset: added to every key (with `mean_offset`, keys near a large μ_K)."""
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
     torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
     g = torch.Generator().manual_seed(7)
@@ -37,6 +40,7 @@ def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=
         q, k, v = random_step(layout, query_heads, new_tokens, g, dtype=dtype, device=DEVICE)
         if values is not None:
             k, v = values(k), values(v)
+        k = (k.float() + key_offset).to(dtype)
         out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
                                                window_splits=window_splits)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
@@ -127,6 +131,41 @@ def test_one_key_rotation_per_kv_head(head_dim, group, gqa):
     in the prompt's 64-token blocks and in decode steps."""
     layout = PagedLayout(kv_heads=3, head_dim=head_dim, group_size=group, **SMALL)
     _drive(layout, 3 * gqa, [[80, 20], [1, 1], [1, 1]], per_head_rotation=True)
+
+
+@pytest.mark.parametrize("head_dim,group,gqa,per_head,mean_offset", [
+    (64, 64, 2, False, 0.0), (128, 128, 4, False, 0.0), (128, 64, 4, True, 0.0),
+    # keys near a large μ_K: k·R and μ_K·R nearly cancel
+    (128, 128, 4, False, 40.0)])
+def test_bfloat16_keys_rotate_by_bfloat16_pieces(head_dim, group, gqa, per_head, mean_offset):
+    """bfloat16 keys (D <= 128) take the write kernel's bfloat16 path, k·R_K - μ_K·R_K over three
+    bfloat16 pieces of R_K; it must store what the float32 rotation (k - μ_K)·R_K stores, in the
+    prompt's 64-token blocks and in decode steps."""
+    layout = PagedLayout(kv_heads=3, head_dim=head_dim, group_size=group, **SMALL)
+    probe = torch.zeros(1, 3, head_dim, dtype=torch.bfloat16)
+    assert uses_rotation_pieces(probe, torch.eye(head_dim))  # else this test would not reach that path
+    _drive(layout, 3 * gqa, [[80, 20], [1, 1], [1, 1]], dtype=torch.bfloat16, per_head_rotation=per_head,
+           mean_offset=mean_offset, key_offset=mean_offset)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rotation_pieces_sum_to_the_rotation(per_head):
+    """Three bfloat16 pieces sum to R_K within float32 rounding, columns interleaved by quarter
+    (column 4j + i of a piece is column i·D/4 + j), and μ_K·R_K comes interleaved the same way."""
+    g = torch.Generator().manual_seed(3)
+    d, heads = 64, 3
+    rotation = torch.stack([random_rotation(d, g) for _ in range(heads)]) if per_head else random_rotation(d, g)
+    mean = torch.randn(heads, d, generator=g) * 10
+    prepared = rotation_pieces(rotation, mean)
+    assert prepared.pieces.dtype == torch.bfloat16
+    assert prepared.pieces.shape == ((heads if per_head else 1), 3, d, d)
+    assert prepared.head_stride == (3 * d * d if per_head else 0)
+    order = torch.arange(d).view(4, d // 4).t().reshape(-1)
+    summed = prepared.pieces.double().sum(dim=1)
+    expected = (rotation if per_head else rotation[None]).double()[..., order]
+    assert (summed - expected).abs().max() <= 2.0**-24
+    mean_rotated = torch.einsum("hd,hde->he", mean.double(), expected.expand(heads, d, d))
+    torch.testing.assert_close(prepared.mean_rotated.double(), mean_rotated, atol=1e-5, rtol=1e-6)
 
 
 def test_no_clipping():
@@ -288,7 +327,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "13 kernel configurations compiled for sm_90" in done.stdout
+    assert "15 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads", [(64, 9, 3), (128, 8, 8), (128, 32, 8), (64, 16, 1)])

@@ -18,7 +18,7 @@ import torch
 from ..cache.paged import PagedKVCache, PagedLayout
 from ..errors import OscarError
 from ..kernels import reference
-from ..kernels.ops import attend_step, choose_splits, write_step
+from ..kernels.ops import attend_step, choose_splits, rotation_pieces, write_step
 
 DEFAULT_SHAPES = ((1, 8192), (1, 32768), (1, 65536), (1, 131072), (32, 8192), (32, 32768))
 
@@ -207,7 +207,9 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
     rotation = rotation.float().to(device)
     mean = torch.randn(kv_heads, head_dim, generator=gen).to(device)
     layer = cache.layers[0]
-    us = _time_us(lambda: write_step(layer, step, k, v, rotation, mean, 0.96, 0.92, validate=False), graph=False)
+    pieces = rotation_pieces(rotation, mean)  # prepared once per layer, as PagedOscarCache does
+    us = _time_us(lambda: write_step(layer, step, k, v, rotation, mean, 0.96, 0.92, validate=False, pieces=pieces),
+                  graph=False)
     hist = layout.history_end(tokens) - layout.sink_tokens
     window_tokens = tokens - hist
     moved = (2 * k.numel() * 2  # read K and V

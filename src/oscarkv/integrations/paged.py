@@ -27,7 +27,7 @@ from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
 from ..calibration.rotations import rotate_heads
 from ..config import CacheConfig
 from ..errors import OscarError
-from ..kernels.ops import attend_step, write_step
+from ..kernels.ops import attend_step, rotation_pieces, uses_rotation_pieces, write_step
 
 
 def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int) -> list[PagedLayout]:
@@ -72,6 +72,9 @@ class PagedOscarLayer(AttendingLayer):
         as_float = lambda x: None if x is None else x.to(device=self.device, dtype=torch.float32).contiguous()  # noqa: E731
         self.k_rotation = as_float(self.spec.k_rotation)
         self.k_mean = as_float(self.spec.k_mean)
+        # The write kernel's form of R_K for bfloat16 keys, prepared once (not at every step).
+        self.rotation_pieces = (rotation_pieces(self.k_rotation, self.k_mean)
+                                if uses_rotation_pieces(key_states, self.k_rotation) else None)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -90,7 +93,8 @@ class PagedOscarLayer(AttendingLayer):
         self.fresh_kv = (key_states, value_states) if step.fresh and n > 1 else None
         self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, self.k_rotation,
                                    self.k_mean, quant.clip_ratio_k, quant.clip_ratio_v, backend=self.owner.backend,
-                                   validate=self.index == 0 and self.owner.frozen is None)
+                                   validate=self.index == 0 and self.owner.frozen is None,
+                                   pieces=self.rotation_pieces)
         self.length += n
         return self, self
 

@@ -24,6 +24,7 @@ ATTENTION_TYPES = dict(
     shift_ptr="*fp32", num_blocks="i32")
 WRITE_TYPES = dict(
     k_ptr=WINDOW, v_ptr=WINDOW, k_rot_ptr=WINDOW, rot_ptr="*fp32", rot_head_stride="i32", mean_ptr="*fp32",
+    pieces_ptr="*bf16", mean_rot_ptr="*fp32",
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, kshift_ptr="*fp32", num_blocks="i32")
@@ -84,15 +85,21 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                          dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024)
-        for block in (16, 64):  # decode steps; prompts
-            jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                         dict(write, ROTATE=True, CENTER=True, BLOCK_T=block), {}))
+        # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)
+        rotations = (2, 1) if d <= 128 else (1,)
+        unfused = dict(enable_fp_fusion=False)  # as launch_write runs them
+        for rotate in rotations:
+            for block in (16, 64):  # decode steps; prompts
+                jobs.append((triton_write._write_kernel, WRITE_TYPES,
+                             dict(write, ROTATE=rotate, CENTER=True, BLOCK_T=block, BF16_DOTS=True), unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(write, ROTATE=True, CENTER=True, BLOCK_T=64, KEY_SHIFTS=True), {}))
+                     dict(write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True, BF16_DOTS=True),
+                     unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(write, ROTATE=False, CENTER=False, CLIP_K=-1, CLIP_V=-1, BLOCK_T=16), {}))
+                     dict(write, ROTATE=0, CENTER=False, CLIP_K=-1, CLIP_V=-1, BLOCK_T=16, BF16_DOTS=True), unfused))
         for shifted in (False, True):
-            jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, KEY_SHIFTS=shifted), {}))
+            jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, KEY_SHIFTS=shifted),
+                         unfused))
         jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),
                      dict(num_warps=4, num_stages=3)))

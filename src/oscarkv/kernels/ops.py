@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -86,13 +87,59 @@ def check_block_table(layer: PagedLayer, batch: StepBatch) -> None:
             )
 
 
+@dataclass(frozen=True)
+class RotationPieces:
+    """R_K prepared for the write kernel's bfloat16 path: k·R_K - μ_K·R_K with three bfloat16 dots.
+
+    pieces: [H, 3, D, D] bfloat16 (H = 1 for one R_K per layer, Hkv for one per KV head), largest
+    first; their sum is R_K to float32 accuracy. mean_rotated: [Hkv, D] float32 μ_K·R_K, or None.
+    Both have their columns interleaved: column 4j + i holds column i·D/4 + j, so that one dot's
+    output splits into the four quarters (code planes) the quantizer packs.
+    """
+
+    pieces: torch.Tensor
+    mean_rotated: torch.Tensor | None
+
+    @property
+    def head_stride(self) -> int:
+        """Elements between two KV heads' pieces: 0 when one R_K serves every head."""
+        return 0 if self.pieces.shape[0] == 1 else self.pieces[0].numel()
+
+
+def rotation_pieces(rotation: torch.Tensor, mean: torch.Tensor | None) -> RotationPieces:
+    """rotation: [D, D] or [Hkv, D, D] R_K; mean: [Hkv, D] μ_K or None (float32, computed in float64)."""
+    r = rotation.double()
+    heads = r if r.dim() == 3 else r[None]
+    d = heads.shape[-1]
+    pieces, rest = [], heads
+    for _ in range(3):
+        piece = rest.to(torch.bfloat16)
+        pieces.append(piece)
+        rest = rest - piece.double()
+    order = torch.arange(d, device=rotation.device).view(4, d // 4).t().reshape(-1)
+    interleaved = torch.stack(pieces, dim=1)[..., order].contiguous()
+    mean_rotated = None
+    if mean is not None:
+        mu = mean.double()
+        rotated = torch.einsum("hd,hde->he", mu, heads.expand(mu.shape[0], d, d))
+        mean_rotated = rotated[:, order].float().contiguous()
+    return RotationPieces(interleaved, mean_rotated)
+
+
+def uses_rotation_pieces(k: torch.Tensor, rotation: torch.Tensor | None) -> bool:
+    """Whether the write kernel rotates these keys by bfloat16 pieces (bfloat16 keys, D <= 128)."""
+    return rotation is not None and k.dtype == torch.bfloat16 and k.shape[-1] <= 128
+
+
 def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Tensor,
                rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None, clip_k: float = 0.0,
-               clip_v: float = 0.0, backend: str = "auto", validate: bool = True) -> torch.Tensor:
+               clip_v: float = 0.0, backend: str = "auto", validate: bool = True,
+               pieces: RotationPieces | None = None) -> torch.Tensor:
     """Store a step's new keys/values ([T, Hkv, D], after RoPE) in the paged cache.
 
     rotation: [D, D] R_K, [Hkv, D, D] (one per KV head) or None; mean: [Hkv, D] μ_K or None.
-    Returns the rotated keys
+    pieces: `rotation_pieces(rotation, mean)`, prepared once per layer; without it the Triton path
+    prepares them at every call (bfloat16 keys only). Returns the rotated keys
     [T, Hkv, D] in the window dtype, which `attend_step` reads for the step's own tokens.
     validate=False skips the checks that synchronise with the device (CUDA-graph capture).
     """
@@ -114,8 +161,11 @@ def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Te
         return reference.write_reference(layer, batch, k, v, rotation, mean, clip_k, clip_v)
     from .triton_write import launch_write
 
+    if uses_rotation_pieces(k, rotation) and pieces is None:
+        pieces = rotation_pieces(rotation, mean)
     k_rot = torch.empty(k.shape, dtype=layer.ring_k.dtype, device=k.device)
-    launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k, clip_v)
+    launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k, clip_v,
+                 pieces if uses_rotation_pieces(k, rotation) else None)
     return k_rot
 
 

@@ -76,10 +76,19 @@ def _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_
     Non-negative floats order like their int32 bit patterns, so a bisection over the patterns
     (a compare-and-count per step) finds the order statistic without a sort. The rows hold values
     of the window dtype, whose float32 patterns end in SHIFT zero bits (16 for bfloat16, 13 for
-    float16), so 31 - SHIFT steps over the patterns shifted right by SHIFT are exact. The two
-    bisections share one loop (on the H100 that bought little over running them one after the
-    other; docs/kernels.md). A rank of -1 skips its side.
+    float16), so 31 - SHIFT steps over the patterns shifted right by SHIFT are exact. Keys and values
+    bisect in the same loop; for bfloat16 their 15-bit patterns share one 32-bit word
+    (`_packed_thresholds`). A rank of -1 skips its side.
     """
+    if SHIFT == 16:
+        return _packed_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K, RANK_V)
+    return _bisect_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K, RANK_V, SHIFT)
+
+
+@triton.jit
+def _bisect_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_V: tl.constexpr,
+                       SHIFT: tl.constexpr):
+    """`_clip_thresholds` with each side counted apart, per quarter (any window dtype)."""
     top = 0x7F800000 >> SHIFT
     k_lo = tl.zeros([k0.shape[0]], tl.int32)
     k_hi = tl.full([k0.shape[0]], top, tl.int32)
@@ -99,6 +108,47 @@ def _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_
         if RANK_V >= 0:
             v_lo, v_hi = _bisect_step(vb0, vb1, vb2, vb3, v_lo, v_hi, RANK_V)
     return (k_lo << SHIFT).to(tl.float32, bitcast=True), (v_lo << SHIFT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack_patterns(k, v):
+    """|k| and |v| (bfloat16 values) as 15-bit patterns in the high and low half of one uint32."""
+    return ((_abs_bits(k, 16) << 16) | _abs_bits(v, 16)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _below_or_equal(mid, p):
+    """Per half of the packed words: 1 where the pattern is <= that half of `mid` (0x8000 | m in each
+    half). 0x8000 + m - b stays within its half for 15-bit m and b, and its bit 15 says m >= b."""
+    return ((mid - p) >> 15) & 0x10001
+
+
+@triton.jit
+def _packed_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_V: tl.constexpr):
+    """`_clip_thresholds` for bfloat16 values: the patterns of |k| and |v| share one word
+    (`_pack_patterns`), and both bisections count with one compare and one row sum per step (each
+    half of the count is at most D, so the halves never carry)."""
+    p0 = _pack_patterns(k0, v0)
+    p1 = _pack_patterns(k1, v1)
+    p2 = _pack_patterns(k2, v2)
+    p3 = _pack_patterns(k3, v3)
+    k_lo = tl.zeros([k0.shape[0]], tl.int32)
+    k_hi = tl.full([k0.shape[0]], 0x7F80, tl.int32)
+    v_lo = tl.zeros([v0.shape[0]], tl.int32)
+    v_hi = tl.full([v0.shape[0]], 0x7F80, tl.int32)
+    if RANK_K >= 0 or RANK_V >= 0:
+        for _ in range(15):
+            k_mid = k_lo + (k_hi - k_lo) // 2
+            v_mid = v_lo + (v_hi - v_lo) // 2
+            mid = (((k_mid | 0x8000) << 16) | (v_mid | 0x8000)).to(tl.uint32, bitcast=True)[:, None]
+            flags = _below_or_equal(mid, p0) + _below_or_equal(mid, p1)
+            flags += _below_or_equal(mid, p2) + _below_or_equal(mid, p3)
+            count = tl.sum(flags, 1).to(tl.int32, bitcast=True)
+            k_enough = (count >> 16) > RANK_K
+            v_enough = (count & 0xFFFF) > RANK_V
+            k_lo, k_hi = tl.where(k_enough, k_lo, k_mid + 1), tl.where(k_enough, k_mid, k_hi)
+            v_lo, v_hi = tl.where(v_enough, v_lo, v_mid + 1), tl.where(v_enough, v_mid, v_hi)
+    return (k_lo << 16).to(tl.float32, bitcast=True), (v_lo << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -124,7 +174,10 @@ def _scale_zero(lo, hi, LEVELS: tl.constexpr):
 
 @triton.jit
 def _codes(x, scale, zero, LEVELS: tl.constexpr):
-    c = tl.floor(tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5)
+    """floor(x·(1/s) + z + 0.5), clamped: each operation rounded to float32 (`quant.format.quantize`);
+    the launches turn off fused multiply-adds, which would round x·(1/s) + z once."""
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    c = tl.floor(x * inverse[:, None] + zero[:, None] + 0.5)
     return tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0).to(tl.int32)
 
 
@@ -294,7 +347,38 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
 
 
 @triton.jit
-def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr,
+def _rotate_by_pieces(x, pieces_ptr, mean_rot_ptr, h, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                      CENTER: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """k·R_K - μ_K·R_K for bfloat16 keys x [BLOCK_T, D], as quarters [BLOCK_T, D/4] in float32.
+
+    R_K comes as three bfloat16 pieces whose sum is R_K to float32 accuracy, with the columns
+    interleaved (column 4j + i of a piece is column j of quarter i; `rotation_pieces`). Products of
+    two bfloat16 are exact in float32, so three tensor-core dots with float32 accumulation compute
+    the float32 rotation. One full-width dot per piece, then the interleaved columns split into
+    the quarters. BF16_DOTS is False in the CPU interpreter, whose bfloat16 dot is wrong: it
+    multiplies the same values in float32.
+    """
+    W: tl.constexpr = D // 4
+    cols = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_T, D], tl.float32)
+    if CENTER:
+        acc -= tl.load(mean_rot_ptr + h * D + cols)[None, :]
+    if not BF16_DOTS:
+        x = x.to(tl.float32)
+    for i in tl.static_range(3):  # the smallest piece first
+        piece = tl.load(pieces_ptr + (2 - i) * D * D + cols[:, None] * D + cols[None, :])
+        if BF16_DOTS:
+            acc = tl.dot(x, piece, acc)
+        else:
+            acc = tl.dot(x, piece.to(tl.float32), acc, input_precision="ieee")
+    even, odd = tl.split(tl.reshape(acc, [BLOCK_T, W, 2, 2]))
+    k0, k2 = tl.split(even)
+    k1, k3 = tl.split(odd)
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr, mean_rot_ptr,
                   slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
@@ -302,7 +386,10 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
                   ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
-                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr):
+                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, BF16_DOTS: tl.constexpr = True):
+    """ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
+    the pieces of R_K at pieces_ptr (`_rotate_by_pieces`). rot_head_stride is 0 for one R_K per
+    layer and the elements between two KV heads' matrices (rot_ptr or pieces_ptr) for one per head."""
     b = tl.program_id(0)
     block = tl.program_id(1)
     h = tl.program_id(2)
@@ -318,12 +405,16 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr,
     row_in = (start + t).to(tl.int64) * HKV + h  # row of the [T, Hkv, D] inputs, in units of D
 
     # Keys: center and rotate in float32, round to the window dtype (what every region holds).
-    if ROTATE:
+    if ROTATE == 2:
+        cols = tl.arange(0, D)
+        x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
+        k0, k1, k2, k3 = _rotate_by_pieces(x, pieces_ptr + h * rot_head_stride, mean_rot_ptr, h, BLOCK_T, D,
+                                           CENTER, BF16_DOTS)
+    elif ROTATE == 1:
         cols = tl.arange(0, D)
         x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         if CENTER:
             x = x - tl.load(mean_ptr + h * D + cols)[None, :]
-        # R_K of this KV head: rot_head_stride is 0 for one rotation per layer, D * D for one per head.
         r_rows = rot_ptr + h * rot_head_stride + cols[:, None] * D + tl.arange(0, W)[None, :]
         k0 = tl.dot(x, tl.load(r_rows), input_precision="tf32x3")
         k1 = tl.dot(x, tl.load(r_rows + W), input_precision="tf32x3")
@@ -343,10 +434,11 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr,
     k2 = _round_to(k2, window_dtype)
     k3 = _round_to(k3, window_dtype)
     v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
-    v0 = _round_to(v0, window_dtype)
-    v1 = _round_to(v1, window_dtype)
-    v2 = _round_to(v2, window_dtype)
-    v3 = _round_to(v3, window_dtype)
+    if v_ptr.dtype.element_ty != window_dtype:
+        v0 = _round_to(v0, window_dtype)
+        v1 = _round_to(v1, window_dtype)
+        v2 = _round_to(v2, window_dtype)
+        v3 = _round_to(v3, window_dtype)
     _store_window(k_rot_ptr, row_in, valid, k0, k1, k2, k3, D)
 
     in_sink = valid & (pos < S)
@@ -385,8 +477,11 @@ def pattern_shift(dtype) -> int:
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
-def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float) -> None:
-    """Run flush then write on the GPU (or under TRITON_INTERPRET=1). Shapes as in `reference`."""
+def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float, pieces=None) -> None:
+    """Run flush then write on the GPU (or under TRITON_INTERPRET=1). Shapes as in `reference`;
+    pieces: `ops.RotationPieces` to rotate bfloat16 keys by (ROTATE=2), else float32 dots."""
+    from .ops import interpreting
+
     lay = layer.layout
     d = lay.head_dim
     # 16 rows (the smallest dot) for the flush and for short steps; see write_block below.
@@ -395,7 +490,8 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                   P=lay.page_size, S=lay.sink_tokens,
                   R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d),
                   SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=block_tokens,
-                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1))
+                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1),
+                  enable_fp_fusion=False)  # the quantizer rounds x·(1/s) and + z apart, as the reference
     shifts = (layer.key_shifts, layer.key_shifts.shape[0]) if layer.key_shifts is not None else (k, 1)
     b = batch.batch
     if b == 0:
@@ -413,10 +509,18 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     # Short steps (decode) keep blocks of 16 for latency.
     write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens
     write_grid = (b, triton.cdiv(batch.max_new, write_block), lay.kv_heads)
-    rotation_stride = d * d if rotation is not None and rotation.dim() == 3 else 0
-    _write_kernel[write_grid](k, v, k_rot, rotation if rotation is not None else k, rotation_stride,
+    if pieces is not None:
+        rotate, stride = 2, pieces.head_stride
+        mean_rotated = pieces.mean_rotated if pieces.mean_rotated is not None else k
+    else:
+        rotate = 0 if rotation is None else 1
+        stride = d * d if rotation is not None and rotation.dim() == 3 else 0
+        mean_rotated = k
+    _write_kernel[write_grid](k, v, k_rot, rotation if rotation is not None else k, stride,
                               mean if mean is not None else k,
+                              pieces.pieces if pieces is not None else k, mean_rotated,
                               batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
                               *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *shifts,
-                              ROTATE=rotation is not None, CENTER=mean is not None,
+                              ROTATE=rotate, CENTER=mean is not None,
+                              BF16_DOTS=not interpreting(),
                               **dict(common, BLOCK_T=write_block))

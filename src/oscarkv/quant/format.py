@@ -152,7 +152,10 @@ def quantize(
     floor = torch.maximum(torch.maximum(lo.abs(), hi.abs()) * ZERO_LIMIT_INV, smallest)
     scale = torch.maximum((hi - lo).clamp(min=MIN_RANGE) / levels, floor).to(scale_dtype)
     zero = (-lo / scale.float()).to(scale_dtype)
-    codes = torch.floor(groups / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1) + 0.5)
+    # x·(1/s), not x/s: one division per group, then a multiply per element (as the write kernel);
+    # each operation rounds to float32 on its own (the kernel runs without fused multiply-adds).
+    inverse = 1.0 / scale.float()
+    codes = torch.floor(groups * inverse.unsqueeze(-1) + zero.float().unsqueeze(-1) + 0.5)
     codes = codes.clamp(0, levels).to(torch.uint8).reshape(*xf.shape[:-1], d)
     return QuantizedTensor(pack_codes(codes, bits), scale, zero, group_size, x.dtype, bits)
 
