@@ -161,11 +161,9 @@ def write_step(layer: PagedLayer, batch: StepBatch, k: torch.Tensor, v: torch.Te
         return reference.write_reference(layer, batch, k, v, rotation, mean, clip_k, clip_v)
     from .triton_write import launch_write
 
-    if uses_rotation_pieces(k, rotation) and pieces is None:
-        pieces = rotation_pieces(rotation, mean)
+    pieces = (pieces or rotation_pieces(rotation, mean)) if uses_rotation_pieces(k, rotation) else None
     k_rot = torch.empty(k.shape, dtype=layer.ring_k.dtype, device=k.device)
-    launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k, clip_v,
-                 pieces if uses_rotation_pieces(k, rotation) else None)
+    launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k, clip_v, pieces)
     return k_rot
 
 

@@ -352,7 +352,7 @@ def _rotate_by_pieces(x, pieces_ptr, mean_rot_ptr, h, BLOCK_T: tl.constexpr, D: 
     """k·R_K - μ_K·R_K for bfloat16 keys x [BLOCK_T, D], as quarters [BLOCK_T, D/4] in float32.
 
     R_K comes as three bfloat16 pieces whose sum is R_K to float32 accuracy, with the columns
-    interleaved (column 4j + i of a piece is column j of quarter i; `rotation_pieces`). Products of
+    interleaved (column 4j + i of a piece is column j of quarter i; `ops.rotation_pieces`). Products of
     two bfloat16 are exact in float32, so three tensor-core dots with float32 accumulation compute
     the float32 rotation. One full-width dot per piece, then the interleaved columns split into
     the quarters. BF16_DOTS is False in the CPU interpreter, whose bfloat16 dot is wrong: it
