@@ -35,7 +35,7 @@ BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 def compile_history_kernel(stages: int, maxnreg: int | None) -> bytes:
     constexprs = dict(HQ=32, HKV=8, D=128, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256, NUM_SPLITS=17, BLOCK_M=16,
                       BLOCK_N=64, SINK_BLOCK=64, ASM=True, REGIONS=1, WINDOW_SPLITS=4, KEY_SHIFTS=False,
-                      SHIFT_BLOCK=1024)
+                      SHIFT_BLOCK=1024, OVERLAP=1)
     options = dict(num_warps=1, num_stages=stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     kernel = compile_kernel(triton_attention._paged_attention_kernel, ATTENTION_TYPES, constexprs, 90,
                             aligned=True, **options)

@@ -317,6 +317,40 @@ def test_attention_benchmark_compares_the_same_contents():
     assert result.int2_bytes > history * 2 * (16 + 4) and result.sdpa_bytes == 2 * 2 * 700 * 64 * 2 + 2 * 2 * 4 * 64 * 2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch runs on a GPU")
+@pytest.mark.parametrize("batch,context", [(1, 9000), (3, 2500)])
+@pytest.mark.parametrize("window_first", [False, True])
+def test_overlapped_decode_launches_equal_serial_launches(batch, context, window_first):
+    """History, window and combine launches that overlap (programmatic dependent launch) give the
+    bit-identical output of three serial launches, every time: the combine never reads a partial
+    before both launches have written it."""
+    from oscarkv.benchmarks.attention import decode_case
+    from oscarkv.kernels.hardware import programmatic_launch_supported
+    from oscarkv.kernels.ops import choose_splits, window_split_count
+    from oscarkv.kernels.triton_attention import launch_attention
+
+    if not programmatic_launch_supported(torch.cuda.current_device()):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    case = decode_case(batch, context, query_heads=16, kv_heads=4)
+    layer, step, q, k, v = case.layer, case.step, case.q, case.k_new, case.v_new
+    splits = choose_splits(layer, batch, 1, 16, context, q.device)
+    ws = window_split_count(layer, batch, 1, 16, splits, q.device)
+    workspace = (torch.empty(batch, 16, splits, 128, device=q.device), torch.empty(batch, 16, splits, device=q.device))
+    outputs = {}
+    for overlap in (False, True):
+        out = torch.zeros_like(q)
+        launch_attention(layer, step, q, k, v, out, 128 ** -0.5, 0, splits, workspace, window_splits=ws,
+                         overlap=overlap, window_first=window_first)
+        outputs[overlap] = out
+    assert ws > 1 or batch > 1
+    assert torch.equal(outputs[True], outputs[False])
+    for _ in range(20):
+        workspace[0].fill_(float("nan"))  # a partial read before it is written would show
+        launch_attention(layer, step, q, k, v, outputs[True], 128 ** -0.5, 0, splits, workspace, window_splits=ws,
+                         overlap=True, window_first=window_first)
+        assert torch.equal(outputs[True], outputs[False])
+
+
 def test_kernels_compile_for_the_h100():
     """The compiler (not the interpreter) accepts the kernels: sm_90 cubins via the wheel's ptxas."""
     import os

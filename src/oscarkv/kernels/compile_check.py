@@ -75,13 +75,16 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     for d, group, key_bits, value_bits, hq, hkv, page, sink, recent in configs:
         shape = dict(D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink, R=recent)
         jobs = []
-        # prefill; decode history, windows; decode history with key_centering="rope" shifts
+        # prefill; decode history, windows; decode history with key_centering="rope" shifts. Decode
+        # launches overlap (programmatic dependent launch) from sm_90: history first, windows second.
+        pdl = arch >= 90
         for splits, regions, windows, shifted in ((1, 0, 1, False), (17, 1, 4, False), (17, 2, 4, False),
                                                   (17, 1, 4, True)):
+            overlap = 0 if regions == 0 or not pdl else regions
             jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
                          dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
                               SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
-                              WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024),
+                              WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, OVERLAP=overlap),
                          dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024)
@@ -105,7 +108,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                      dict(num_warps=4, num_stages=3)))
         jobs.append((triton_attention._score_shift_kernel, SCORE_SHIFT_TYPES, dict(HQ=hq, HKV=hkv, D=d, BLOCK_B=32),
                      {}))
-        jobs.append((triton_attention._combine_kernel, COMBINE_TYPES, dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32), {}))
+        jobs.append((triton_attention._combine_kernel, COMBINE_TYPES,
+                     dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32, WAIT=pdl), {}))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

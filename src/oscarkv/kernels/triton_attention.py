@@ -33,9 +33,22 @@ import triton
 import triton.language as tl
 
 from .hardware import multiprocessors as _multiprocessors
+from .hardware import programmatic_launch_supported
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
+
+try:  # programmatic dependent launch (Hopper and later; Triton >= 3.3)
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:  # never traced: the launcher passes OVERLAP=0 where these are missing
+    @triton.jit
+    def _gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def _gdc_wait():
+        pass
 UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·2^-24 (see _as_float16_units)
 
 
@@ -524,11 +537,17 @@ def _paged_attention_kernel(
         V_BITS: tl.constexpr, P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
         REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
-        SHIFT_BLOCK: tl.constexpr = 1):
+        SHIFT_BLOCK: tl.constexpr = 1, OVERLAP: tl.constexpr = 0):
     """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
     block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
     WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
-    (a grid of N - WS); 2: only the window splits (a grid of WS)."""
+    (a grid of N - WS); 2: only the window splits (a grid of WS).
+
+    OVERLAP (programmatic dependent launch, see `launch_attention`): 1 lets the next launch start
+    at once; 2 also waits, before the program ends, for the launch before it to finish, so that
+    this launch finishing implies that both have."""
+    if OVERLAP >= 1:
+        _gdc_launch_dependents()
     pid = tl.program_id(0)
     m_block = tl.program_id(1)
     WS: tl.constexpr = WINDOW_SPLITS
@@ -543,6 +562,8 @@ def _paged_attention_kernel(
     SLICED: tl.constexpr = D >= 128  # the sliced history path needs D/8 >= 16 (the smallest dot)
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     if m_block * BLOCK_M >= count * G:
+        if OVERLAP == 2:
+            _gdc_wait()
         return
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = r < count * G
@@ -708,12 +729,17 @@ def _paged_attention_kernel(
         tl.store(dst + W, a1 / l_safe[:, None], mask=mask)
         tl.store(dst + 2 * W, a2 / l_safe[:, None], mask=mask)
         tl.store(dst + 3 * W, a3 / l_safe[:, None], mask=mask)
+    if OVERLAP == 2:
+        _gdc_wait()
 
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    SPLIT_BLOCK: tl.constexpr):
-    """Merge the splits of one (token, query head): out = Σ w_s o_s / Σ w_s, w_s = 2^(lse_s - max)."""
+                    SPLIT_BLOCK: tl.constexpr, WAIT: tl.constexpr = False):
+    """Merge the splits of one (token, query head): out = Σ w_s o_s / Σ w_s, w_s = 2^(lse_s - max).
+    WAIT: launched early (programmatic dependent launch), so wait for the splits first."""
+    if WAIT:
+        _gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLIT_BLOCK)
     in_range = splits < NUM_SPLITS
@@ -755,7 +781,8 @@ def _maxnreg_supported() -> bool:
 def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: int, num_splits: int,
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
-                     maxnreg: int | None = None, window_splits: int = 1) -> None:
+                     maxnreg: int | None = None, window_splits: int = 1, overlap: bool | None = None,
+                     window_first: bool = False) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
@@ -765,7 +792,13 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     compiler's choice, about 206 registers, 9 one-warp programs per multiprocessor; a cap of 168
     was the default until 2026-11-24 and is now 0-4% slower, measured on the H100 with
     scripts/tune_attention.py). Without splits (prefill: `choose_splits` gives decode at least two)
-    one launch does everything with two stages."""
+    one launch does everything with two stages.
+
+    overlap (None: where `programmatic_launch_supported`): the three decode launches (history
+    splits, window splits, combine; `window_first` swaps the first two) overlap by
+    programmatic dependent launch. The second starts as soon as the first has started, since
+    the two read nothing the other writes; it waits for the first before it ends. The combine
+    starts early and waits for both. Without it each launch waits for the one before."""
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads
@@ -793,17 +826,28 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                  SINK_BLOCK=max(16, triton.next_power_of_2(max(lay.sink_tokens, 1))), ASM=cuda,
                  WINDOW_SPLITS=window_splits if num_splits > window_splits else 1,
                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1))
+    overlap = num_splits > 1 and separate_windows and cuda and (
+        overlap if overlap is not None else programmatic_launch_supported(q.device.index or 0))
     if num_splits > 1 and separate_windows:
         ws = shape["WINDOW_SPLITS"]
         registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and _maxnreg_supported() else {}
-        _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits - ws)](
-            *args, **shape, REGIONS=1, num_warps=num_warps, num_stages=num_stages, **registers)
-        _paged_attention_kernel[(b * lay.kv_heads, m_blocks, ws)](
-            *args, **shape, REGIONS=2, num_warps=window_warps, num_stages=2)
+        history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
+                   dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, **registers))
+        windows = ((b * lay.kv_heads, m_blocks, ws), dict(REGIONS=2, num_warps=window_warps, num_stages=2))
+        first, second = (windows, history) if window_first else (history, windows)
+        _paged_attention_kernel[first[0]](*args, **shape, **first[1], OVERLAP=int(overlap))
+        _paged_attention_kernel[second[0]](*args, **shape, **second[1], OVERLAP=2 * int(overlap),
+                                           **_programmatic(overlap))
     else:
         _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits)](
             *args, **shape, REGIONS=0, num_warps=num_warps, num_stages=2)
     if num_splits > 1:
         rows = q.shape[0] * hq
         _combine_kernel[(rows,)](part_o, part_lse, out, D=d, NUM_SPLITS=num_splits,
-                                 SPLIT_BLOCK=triton.next_power_of_2(num_splits))
+                                 SPLIT_BLOCK=triton.next_power_of_2(num_splits), WAIT=overlap,
+                                 **_programmatic(overlap))
+
+
+def _programmatic(overlap: bool) -> dict:
+    """Launch options of a launch that may start before the one before it ends."""
+    return dict(launch_pdl=True) if overlap else {}
