@@ -77,7 +77,7 @@ def main() -> None:
             parts[label] = (lambda kernel=kernel, grid=grid, kargs=kargs, options=options:
                             kernel[grid](*kargs, **options))
         print(f"{shape}: {splits} splits ({window_splits} for the windows), {nbytes / 1e6:.1f} MB to read")
-        rows = [(name, fn) for name, fn in parts.items()]
+        rows = list(parts.items())
         rows.append(("history + combine", lambda: (parts["history"](), parts["combine"]())))
         launch(False, False, serial_out)
         for name, overlap, window_first in (("serial", False, False), ("overlapped, history first", True, False),

@@ -32,8 +32,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .hardware import multiprocessors as _multiprocessors
-from .hardware import programmatic_launch_supported
+from .hardware import multiprocessors as _multiprocessors, programmatic_launch_supported
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
