@@ -58,9 +58,9 @@ def _packed_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RAN
 
 
 @triton.jit
-def _codes_mul(x, scale, zero, LEVELS: tl.constexpr):
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    c = tl.floor(x * inv[:, None] + zero[:, None] + 0.5)
+def _codes_div(x, scale, zero, LEVELS: tl.constexpr):
+    """The variant: a division per code, floor(x/s + z + 0.5), clamped (what shipped before x·(1/s))."""
+    c = tl.floor(tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5)
     return tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0).to(tl.int32)
 
 
@@ -75,15 +75,15 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
     hi = tl.maximum(tl.maximum(tl.max(x0, 1), tl.max(x1, 1)), tl.maximum(tl.max(x2, 1), tl.max(x3, 1)))
     s, z = tw._scale_zero(lo, hi, LEVELS)
     if DIV:
-        c0 = tw._codes(x0, s, z, LEVELS)
+        c0 = _codes_div(x0, s, z, LEVELS)
+        c1 = _codes_div(x1, s, z, LEVELS)
+        c2 = _codes_div(x2, s, z, LEVELS)
+        c3 = _codes_div(x3, s, z, LEVELS)
+    else:
+        c0 = tw._codes(x0, s, z, LEVELS)  # x·(1/s), as the kernel
         c1 = tw._codes(x1, s, z, LEVELS)
         c2 = tw._codes(x2, s, z, LEVELS)
         c3 = tw._codes(x3, s, z, LEVELS)
-    else:
-        c0 = _codes_mul(x0, s, z, LEVELS)
-        c1 = _codes_mul(x1, s, z, LEVELS)
-        c2 = _codes_mul(x2, s, z, LEVELS)
-        c3 = _codes_mul(x3, s, z, LEVELS)
     base = (page.to(tl.int64) * HKV + h) * P + row
     packed = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
     tl.store(codes_ptr + base[:, None] * (D * BITS // 8) + cols[None, :], packed.to(tl.uint8), mask=valid[:, None])
