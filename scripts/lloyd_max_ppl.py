@@ -7,7 +7,9 @@ from the calibration's own error measure). This script measures it: it swaps the
 history store's quantizer for one that rounds each element to the nearest of those four levels
 (same scale and zero, same bits) and reads codes back at them, for keys and values alike, then
 runs `oscarkv eval ppl` with the same artifact, text and positions for each a. a = 1/3 is the
-product's quantizer. The kernels are not involved (CPU, reference cache).
+product's quantizer. The kernels are not involved (CPU, reference cache). The product has the
+levels since (`oscarkv calibrate --levels lloyd`, per layer and stream); this script keeps the one
+global a of the first measurement, applied over whatever the artifact chose.
 
     PYTHONPATH=src python scripts/lloyd_max_ppl.py smollm2-135m --rotations s.safetensors \
         --inner 0.3333333,0.30,0.36,0.40 --text news --context 2048 --group-size 64 --max-tokens 20000
@@ -36,7 +38,8 @@ def quantizer(inner: float):
     levels = _levels(inner)
     midpoints = (levels[1:] + levels[:-1]) / 2
 
-    def quantize(x, bits=2, group_size=128, clip_ratio=0.0, scale_dtype=torch.float16):
+    def quantize(x, bits=2, group_size=128, clip_ratio=0.0, scale_dtype=torch.float16, artifact_inner=None):
+        # artifact_inner: the artifact's own levels (`calibrate --levels lloyd`); this script overrides them
         q = qformat.quantize(x, bits, group_size, clip_ratio, scale_dtype)  # the scale and zero
         if bits != 2:
             return q

@@ -51,7 +51,8 @@ def main() -> None:
             triton_write._write_kernel[grid](
                 k, v, k_rot, rotation, 0, mean, pieces.pieces, pieces.mean_rotated, batch.slots, batch.cu_new,
                 batch.lengths, batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages,
-                layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, k, 1, num_warps=warps, **constants)
+                layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, k, 1, 0.0, 0.0, 0.0, 0.0, num_warps=warps,
+                **constants)
 
         return triton.testing.do_bench(launch, warmup=20, rep=200) * 1e3
 

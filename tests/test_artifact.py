@@ -130,3 +130,14 @@ def test_one_key_rotation_per_kv_head_roundtrips_and_is_checked(tmp_path, artifa
     artifact.layers[0].v_rotation = heads  # values take one rotation per layer (it is folded into the weights)
     with pytest.raises(ArtifactError, match="layers.0.v_rotation has shape"):
         artifact.save(tmp_path / "bad.safetensors")
+
+
+def test_lloyd_max_inner_levels_roundtrip_and_are_checked(tmp_path, artifact):
+    artifact.layers[0].choice.update(inner_k=0.38, inner_v=None, bits_k=2, bits_v=2)
+    artifact.layers[1].choice.update(inner_k=0.4, bits_k=4)  # an INT4 stream reads uniform levels
+    loaded = RotationArtifact.load(artifact.save(tmp_path / "rot.safetensors"))
+    assert loaded.layers[0].inner("k") == 0.38 and loaded.layers[0].inner("v") is None
+    assert loaded.layers[1].inner("k") is None
+    artifact.layers[0].choice["inner_v"] = 0.7
+    with pytest.raises(ArtifactError, match="inner level for its v stream"):
+        artifact.save(tmp_path / "bad.safetensors")

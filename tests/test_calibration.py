@@ -257,6 +257,45 @@ def test_per_head_key_choice_is_scored_as_the_rotation_it_stores():
             torch.testing.assert_close(layer.k_rotation[h], torch.eye(d))
 
 
+def test_lloyd_max_levels_are_chosen_where_they_lower_the_error():
+    """With an inner-level grid, a stream takes Lloyd–Max levels only when some (clip, inner) beats
+    the uniform choice, the recorded error is that of the levels it stores, and the uniform error
+    is kept beside it."""
+    from oscarkv.calibration.selection import LayerScorer, choose_layer
+    from oscarkv.config import CacheConfig
+
+    kv_heads, group, tokens, d = 2, 2, 96, 64
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(kv_heads * group, tokens, d, generator=g) * 2
+    k = torch.randn(kv_heads, tokens, d, generator=g)  # bell-shaped groups: Lloyd–Max levels fit better
+    v = torch.randn(kv_heads, tokens, d, generator=g)
+    quant, cache = QuantConfig(group_size=64), CacheConfig(sink_tokens=4, recent_tokens=8)
+    uniform = choose_layer(_fake_layer(kv_heads, d, 2), q, k, v, quant, cache)
+    layer = _fake_layer(kv_heads, d, 2)
+    lloyd = choose_layer(layer, q, k, v, quant, cache, inner_grid=(0.37, 0.39))
+    assert uniform["inner_k"] is None and uniform["inner_v"] is None
+    for kind in ("k", "v"):
+        assert lloyd[f"uniform_error_{kind}"] == uniform[f"error_{kind}"]
+        if lloyd[f"inner_{kind}"] is None:
+            assert lloyd[f"error_{kind}"] == uniform[f"error_{kind}"]
+        else:
+            assert lloyd[f"inner_{kind}"] in (0.37, 0.39) and lloyd[f"error_{kind}"] < uniform[f"error_{kind}"]
+    assert lloyd["inner_k"] is not None
+    scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size)
+    mean = layer.k_mean if lloyd["k_centered"] else None
+    stored = scorer.key_error(layer.k_rotation.double(), mean, lloyd["clip_k"], 2, lloyd["inner_k"])
+    assert math.isclose(stored, lloyd["error_k"], rel_tol=1e-6)
+    # A fixed inner level: every stream takes it, on the transform and clip of the uniform choice.
+    fixed = choose_layer(_fake_layer(kv_heads, d, 2), q, k, v, quant, cache, inner_fixed=0.4)
+    for kind in ("k", "v"):
+        assert fixed[f"inner_{kind}"] == 0.4 and fixed[f"clip_{kind}"] == uniform[f"clip_{kind}"]
+        assert fixed[f"{kind}_transform"] == uniform[f"{kind}_transform"]
+    with pytest.raises(OscarError, match="levels='lloyd'"):
+        CalibrationConfig(inner=0.37)
+    with pytest.raises(OscarError, match="outside"):
+        CalibrationConfig(levels="lloyd", inner=0.6)
+
+
 def test_per_head_key_rotations_through_calibration_and_the_cache(tmp_path, capsys):
     import oscarkv
     from oscarkv.calibration.artifact import RotationArtifact
@@ -287,3 +326,27 @@ def test_per_head_key_rotations_through_calibration_and_the_cache(tmp_path, caps
     assert torch.isfinite(logits).all()
     with pytest.raises(OscarError, match="key_rotations"):
         CalibrationConfig(key_rotations="token")
+
+
+@pytest.mark.parametrize("inner", [None, 0.37])
+def test_lloyd_max_levels_through_calibration_and_the_cache(tmp_path, inner):
+    """`calibrate --levels lloyd [--inner A]` end to end: the artifact records the levels, they survive
+    save and load, and the patched model's cache layers read them."""
+    import oscarkv
+    from oscarkv.calibration.artifact import RotationArtifact
+
+    model = tiny_model("llama")
+    artifact = calibrate(model, _tokens(200), QUANT, CalibrationConfig(chunk_tokens=32, max_chunks=3, max_bits=0,
+                                                                       levels="lloyd", inner=inner),
+                         show_progress=False)
+    assert artifact.calibration["levels"] == "lloyd" and artifact.calibration["inner"] == inner
+    loaded = RotationArtifact.load(artifact.save(tmp_path / "rot.safetensors"))
+    chosen = [layer.inner(kind) for layer in loaded.layers for kind in ("k", "v")]
+    assert chosen == [layer.choice.get(f"inner_{kind}") for layer in artifact.layers for kind in ("k", "v")]
+    if inner is not None:
+        assert chosen == [inner] * len(chosen)
+    oscarkv.patch(model, loaded, quant=QUANT)
+    assert [(s.key_inner, s.value_inner) for s in model.oscar.specs] == [(layer.inner("k"), layer.inner("v"))
+                                                                        for layer in loaded.layers]
+    with torch.no_grad():
+        assert torch.isfinite(model(_tokens(120)[None]).logits).all()

@@ -165,3 +165,31 @@ def test_layers_bits_per_element_weighs_what_each_layer_holds():
     expected = (32448 * 4.25 + 256 * 2.25 + 640 * 16) / (32768 + 576)
     assert math.isclose(bits, expected)
     assert layers_bits_per_element([], [], [], cache, quant) == 0.0
+
+
+def test_lloyd_max_levels_nearest_level_and_readback():
+    """Inner levels a: codes are the nearest of 0, 3a, 3 - 3a, 3 (code units), read back there; a = 1/3
+    is the uniform grid; a bell-shaped group reads back closer with a little above 1/3."""
+    from oscarkv.quant.format import dequantize, inner_levels, quantize, unpack_codes
+
+    x = torch.randn(64, 8, 64, generator=torch.Generator().manual_seed(0))
+    uniform = quantize(x, 2, 64)
+    assert torch.equal(quantize(x, 2, 64, inner=1 / 3).packed, uniform.packed)
+    q = quantize(x, 2, 64, inner=0.38)
+    assert torch.equal(q.scale, uniform.scale) and torch.equal(q.zero, uniform.zero)
+    units = x / q.scale.float() + q.zero.float()
+    levels = inner_levels(0.38)
+    nearest = (units[..., None] - levels).abs().argmin(-1)
+    codes = unpack_codes(q.packed)
+    assert (codes.long() != nearest).float().mean() < 1e-3  # ties and float rounding of the units only
+    torch.testing.assert_close(dequantize(q), (levels[codes.long()] - q.zero.float()) * q.scale.float())
+    error = {a: (dequantize(quantize(x, 2, 64, inner=a)) - x).pow(2).mean() for a in (None, 0.38)}
+    assert error[0.38] < 0.95 * error[None]
+
+
+@pytest.mark.parametrize("bits,inner,match", [(4, 0.38, "INT2 codes only"), (2, 0.5, "outside"), (2, 0.2, "outside")])
+def test_lloyd_max_levels_are_checked(bits, inner, match):
+    from oscarkv.quant.format import quantize
+
+    with pytest.raises(OscarError, match=match):
+        quantize(torch.randn(2, 64), bits, 64, inner=inner)

@@ -76,6 +76,55 @@ def test_kernels_match_reference_across_shapes(head_dim, group, gqa, key_bits, v
     _drive(layout, 2 * gqa, steps)
 
 
+@pytest.mark.parametrize(
+    "head_dim,group,gqa,key_bits,value_bits,key_inner,value_inner,num_splits",
+    [(64, 64, 1, 2, 2, 0.37, 0.39, None), (64, 32, 3, 2, 2, 0.41, None, 1), (128, 64, 4, 2, 2, 0.36, 0.36, None),
+     (128, 128, 8, 2, 2, None, 0.40, 3), (256, 128, 4, 2, 2, 0.35, 0.38, None),
+     # Lloyd–Max levels on the INT2 stream beside an INT4 one (sliced and plain paths)
+     (128, 64, 2, 4, 2, None, 0.38, None), (64, 64, 2, 2, 4, 0.38, None, 1)],
+)
+def test_lloyd_max_levels_match_reference(head_dim, group, gqa, key_bits, value_bits, key_inner, value_inner,
+                                          num_splits):
+    """Codes at Lloyd–Max levels (`--levels lloyd`): the write kernel's thresholds and the attention
+    kernels' extra high-bit dots against the torch reference, prompts then decode across flushes."""
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, key_bits=key_bits, value_bits=value_bits,
+                         key_inner=key_inner, value_inner=value_inner, **SMALL)
+    _drive(layout, 2 * gqa, [[15, 70, 0], [1, 47, 33], [1, 1, 1], [1, 1, 1]], num_splits=num_splits)
+
+
+def test_lloyd_max_levels_change_what_is_read():
+    """The levels reach the read path: the same writes read back differently (and closer to the
+    inputs of a bell-shaped stream) with inner levels at 0.38 than on the uniform grid."""
+    reads = {}
+    for inner in (None, 0.38):
+        layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, key_inner=inner, value_inner=inner, **SMALL)
+        run = PagedRun(layout, 1, 1024, 2, "triton", device=DEVICE)
+        g = torch.Generator().manual_seed(3)
+        q, k, v = random_step(layout, 2, [200], g, device=DEVICE)
+        run.step([200], q, k, v)
+        reads[inner] = (_stored(run, run.slots[0])[1][:, 16:136].cpu(), v[16:136].transpose(0, 1).float().cpu())
+    (uniform, exact), (lloyd, _) = reads[None], reads[0.38]
+    assert not torch.equal(uniform, lloyd)
+    assert (lloyd - exact).pow(2).mean() < (uniform - exact).pow(2).mean()
+
+
+def test_lloyd_max_levels_only_for_int2_streams():
+    with pytest.raises(OscarError, match="INT2 codes only"):
+        PagedLayout(kv_heads=1, head_dim=64, group_size=64, key_bits=4, key_inner=0.38)
+    with pytest.raises(OscarError, match="outside"):
+        PagedLayout(kv_heads=1, head_dim=64, group_size=64, value_inner=0.6)
+
+
+@pytest.mark.parametrize("head_dim,num_splits", [(64, 1), (128, 1), (128, 3)])
+def test_step_longer_than_the_window_after_a_partial_page(head_dim, num_splits):
+    """70 stored tokens, then a 47-token chunk (longer than the 32-token recent window): the history
+    now ends at 80, so the page of positions 64-79 holds 6 old tokens (flushed from the ring, which
+    the chunk then overwrites) and 10 of the chunk's own. The old ones must be read from that page.
+    (Until 2026-11-25 the kernel read whole pages below the old length only, and lost them.)"""
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=64, **SMALL)
+    _drive(layout, 4, [[70, 5], [47, 60], [1, 1]], num_splits=num_splits)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_running_max_that_grows_in_later_history_pages(head_dim):
     """Keys 4x larger in the second prompt: the decode step's history loop meets its largest scores
@@ -310,8 +359,9 @@ def test_attention_benchmark_compares_the_same_contents():
     from oscarkv.benchmarks.attention import bench_decode
 
     result = bench_decode(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, copy_gbs=1.0, device=DEVICE,
-                          timer=lambda fn: (fn(), 1.0)[1])
+                          timer=lambda fn: (fn(), 1.0)[1], inner=0.38)
     assert result.max_abs_error <= OUTPUT_TOLERANCE
+    assert result.lloyd_us == 1.0 and result.lloyd_max_abs_error <= OUTPUT_TOLERANCE
     assert result.sdpa_gap <= 2e-2  # BF16 SDPA output vs the kernel's, same contents
     history = 2 * (700 - 64 - 256) // 64 * 64  # tokens in pages, both sequences
     assert result.int2_bytes > history * 2 * (16 + 4) and result.sdpa_bytes == 2 * 2 * 700 * 64 * 2 + 2 * 2 * 4 * 64 * 2
@@ -361,7 +411,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "15 kernel configurations compiled for sm_90" in done.stdout
+    assert "19 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads", [(64, 9, 3), (128, 8, 8), (128, 32, 8), (64, 16, 1)])

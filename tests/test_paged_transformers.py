@@ -23,10 +23,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGED = dict(sink_tokens=16, recent_tokens=32, page_size=16)
 
 
-def _patched(family: str, kernel: str = "paged", per_head: bool = False, dtype=torch.float32):
+def _patched(family: str, kernel: str = "paged", per_head: bool = False, dtype=torch.float32,
+             inner: float | None = None):
+    """inner: every layer's INT2 keys and values at Lloyd–Max levels with that inner level."""
     model = tiny_model(family, head_dim=64, attention_scale=3.0).to(DEVICE, dtype)
     artifact = _random_artifact(model, per_head)
     artifact.group_size = 64
+    for layer in artifact.layers:
+        layer.choice.update(inner_k=inner, inner_v=inner)
     oscarkv.patch(model, artifact, quant=oscarkv.QuantConfig(group_size=64), cache=CacheConfig(kernel=kernel, **PAGED))
     return model
 
@@ -97,6 +101,28 @@ def test_bfloat16_model_kernels_equal_torch_references(per_head):
         logits[backend] = torch.cat(steps, 1).float()
         assert all(layer.rotation_pieces is not None for layer in cache.layers)
     assert (logits["auto"] - logits["torch"]).abs().max() < 2e-2
+
+
+def _prompt_then_decode_logits(model, backend: str, ids) -> torch.Tensor:
+    state = model.oscar
+    cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 256, backend=backend)
+    with torch.no_grad():
+        steps = [model(ids[:, :70], past_key_values=cache).logits[:, -1:]]
+        steps += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(70, 82)]
+    return torch.cat(steps, 1).float()
+
+
+def test_lloyd_max_levels_through_the_paged_model():
+    """An artifact whose INT2 streams take Lloyd–Max levels (`calibrate --levels lloyd`): the paged
+    cache writes and reads them with the kernels as its torch references do (prompt into pages,
+    decode across a flush), and the levels reach the logits (they differ from uniform levels)."""
+    ids = _ids(82).to(DEVICE)
+    model = _patched("llama", inner=0.39)
+    assert all(spec.key_inner == 0.39 and spec.value_inner == 0.39 for spec in model.oscar.specs)
+    lloyd = {backend: _prompt_then_decode_logits(model, backend, ids) for backend in ("auto", "torch")}
+    assert (lloyd["auto"] - lloyd["torch"]).abs().max() < 2e-2
+    uniform = _prompt_then_decode_logits(_patched("llama"), "torch", ids)
+    assert (uniform - lloyd["torch"]).abs().max() > 1e-2
 
 
 def test_auto_uses_reference_cache_on_cpu_and_paged_refuses_padding():

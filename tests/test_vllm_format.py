@@ -26,7 +26,8 @@ class PluginPath:
 
     def __init__(self, spec: LayerSpec, cache: CacheConfig, hkv: int, d: int, block_size: int, blocks: int):
         self.spec, self.cache = spec, cache
-        self.cells = CellFormat(d, spec.quant.group_size, spec.key_bits, spec.value_bits)
+        self.cells = CellFormat(d, spec.quant.group_size, spec.key_bits, spec.value_bits, key_inner=spec.key_inner,
+                                value_inner=spec.value_inner)
         self.pages = torch.zeros(blocks, hkv, block_size, self.cells.cell_bytes, dtype=torch.uint8)
         self.block_table = torch.randperm(blocks)  # vLLM's blocks are scattered
         self.windows = RequestWindows(2, hkv, d, cache.sink_tokens, cache.recent_tokens, cache.window_dtype)
@@ -81,6 +82,22 @@ def test_plugin_path_matches_the_reference_cache(chunks, hq, hkv, sink, recent):
         torch.testing.assert_close(got, expected.float(), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("key_inner,value_inner", [(0.37, 0.40), (None, 0.36)])
+def test_plugin_path_reads_lloyd_max_levels_as_the_reference_cache(key_inner, value_inner):
+    torch.manual_seed(2)
+    d, group, hq, hkv = 32, 16, 4, 2
+    spec = LayerSpec(k_rotation=_rotation(d, 3), quant=QuantConfig(group, 0.96, 0.92), key_inner=key_inner,
+                     value_inner=value_inner)
+    cache_cfg = CacheConfig(sink_tokens=4, recent_tokens=8, kernel="reference")
+    reference = OscarCache([spec], cache_cfg)
+    plugin = PluginPath(spec, cache_cfg, hkv, d, block_size=8, blocks=16)
+    for n in (37, 1, 5, 1):
+        q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d) + 1.0, torch.randn(n, hkv, d)
+        layer, _ = reference.update(k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], 0)
+        expected = oscar_attention_reference(layer, layer.rotate(q.permute(1, 0, 2)[None]), d ** -0.5)[0]
+        torch.testing.assert_close(plugin.step(q, k, v, d ** -0.5), expected.float(), atol=2e-5, rtol=1e-4)
+
+
 def test_the_int2_part_is_really_read():
     """With a 1-token window, outputs differ from full-precision attention by the INT2 error."""
     torch.manual_seed(1)
@@ -106,6 +123,10 @@ def test_cells_roundtrip_like_the_quantizer(key_bits, value_bits):
     k, v = fmt.decode(cells, torch.float32)
     torch.testing.assert_close(k, dequantize(quantize(x, key_bits, 32, 0.9), torch.float32))
     torch.testing.assert_close(v, dequantize(quantize(y, value_bits, 32, 0.0), torch.float32))
+    if key_bits == 2:  # Lloyd–Max levels: the same cells' codes, read at the inner levels
+        fmt = CellFormat(64, 32, key_bits, value_bits, key_inner=0.38)
+        k, _ = fmt.decode(fmt.encode(x, y, 0.9, 0.0), torch.float32)
+        torch.testing.assert_close(k, dequantize(quantize(x, 2, 32, 0.9, inner=0.38), torch.float32))
 
 
 def test_cell_is_much_smaller_than_a_bf16_token():

@@ -65,7 +65,8 @@ def cmd_calibrate(args) -> int:
                                value_weights=getattr(args, "value_weights", "proxy"),
                                positions=getattr(args, "positions", "start"),
                                retrieval_probe=getattr(args, "retrieval_probe", True),
-                               key_rotations=getattr(args, "key_rotations", "layer"))
+                               key_rotations=getattr(args, "key_rotations", "layer"),
+                               levels=getattr(args, "levels", "uniform"), inner=getattr(args, "inner", None))
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
@@ -85,6 +86,11 @@ def _ratios(text: str) -> tuple[float, ...]:
         raise OscarError(f"clip grid {text!r} is not a comma-separated list of numbers (e.g. 0,0.94,0.96).") from exc
 
 
+def _inner_tag(layer, kind: str) -> str:
+    inner = layer.inner(kind)
+    return f" L{inner:.2f}".replace("L0.", "L.") if inner is not None else ""
+
+
 def print_calibration_report(artifact) -> None:
     """Per-layer table of the choices and predicted errors, the budget, and warnings."""
     from .calibration.calibrate import DRIFT_MIN, DRIFT_RATIO, HIGH_ERROR
@@ -96,8 +102,8 @@ def print_calibration_report(artifact) -> None:
         c = layer.choice
         rows.append({
             "layer": str(i),
-            "k": f"{'c-' if c['k_centered'] else ''}{key_transform_name(c)}@{layer.clip('k', 0.0):g}",
-            "v": f"{'c-' if c['v_centered'] else ''}{c['v_transform']}@{layer.clip('v', 0.0):g}",
+            "k": f"{'c-' if c['k_centered'] else ''}{key_transform_name(c)}@{layer.clip('k', 0.0):g}{_inner_tag(layer, 'k')}",
+            "v": f"{'c-' if c['v_centered'] else ''}{c['v_transform']}@{layer.clip('v', 0.0):g}{_inner_tag(layer, 'v')}",
             "bits": f"{layer.key_bits}/{layer.value_bits}", "error": predicted_error(c),
             "int2": c["error_k"] + c["error_v"], "int4": c["error_k_int4"] + c["error_v_int4"],
             "probe_k": c.get("retrieval_error_k"), "int4_cost": c.get("int4_cost_bits_k"),
@@ -106,7 +112,9 @@ def print_calibration_report(artifact) -> None:
         })
     per_head = " (per-head: each KV head's transform, I/H/O = identity/Hadamard/OSCAR, o = its own OSCAR)" \
         if artifact.calibration.get("key_rotations") == "head" else ""
-    print(f"\nper-layer choice{per_head} (c- = centered; bits: keys/values; errors: relative squared error of the "
+    levels = " L.37 = Lloyd-Max inner levels at 0.37 of the range;" \
+        if artifact.calibration.get("levels") == "lloyd" else ""
+    print(f"\nper-layer choice{per_head} (c- = centered;{levels} bits: keys/values; errors: relative squared error of the "
           "attention output on held-apart tokens; K probe: the INT2 key error on the retrieval probe; paper = uncentered "
           "OSCAR of SPEC §1-§4; INT4 +bits/elt: the cost of one stream in INT4)")
     print(format_table(rows, [("layer", "layer", "s"), ("k", "K transform@clip", "s"), ("v", "V transform@clip", "s"),
@@ -348,19 +356,27 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 def cmd_bench_attention(args) -> int:
     from .benchmarks import attention
 
-    results = attention.run(_parse_shapes(args.shapes), args.write_tokens)
+    results = attention.run(_parse_shapes(args.shapes), args.write_tokens, args.lloyd_inner)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     print(f"{results['device']}  copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s  torch {results['torch']}")
+    lloyd = args.lloyd_inner is not None
     print(f"{'batch':>5} {'context':>8} {'SDPA us':>9} {'INT2 us':>9} {'speedup':>8} {'INT2 GB/s':>10} "
-          f"{'% copy BW':>9} {'max err':>8}")
+          f"{'% copy BW':>9} {'max err':>8}" + (f" {'Lloyd us':>9} {'cost':>6} {'max err':>8}" if lloyd else ""))
     for r in results["decode"]:
+        extra = (f" {r['lloyd_us']:>9.1f} {r['lloyd_us'] / r['int2_us']:>5.2f}x {r['lloyd_max_abs_error']:>8.1e}"
+                 if lloyd else "")
         print(f"{r['batch']:>5} {r['context']:>8} {r['sdpa_us']:>9.1f} {r['int2_us']:>9.1f} {r['speedup']:>7.2f}x "
-              f"{r['int2_bandwidth_gbs']:>10.0f} {100 * r['int2_bandwidth_fraction']:>8.1f}% {r['max_abs_error']:>8.1e}")
+              f"{r['int2_bandwidth_gbs']:>10.0f} {100 * r['int2_bandwidth_fraction']:>8.1f}% {r['max_abs_error']:>8.1e}"
+              + extra)
     w = results["write"]
     print(f"write path: {w['tokens']} tokens in {w['microseconds']:.0f} us = {w['tokens_per_s'] / 1e6:.1f} M tokens/s, "
-          f"{w['bandwidth_gbs']:.0f} GB/s ({100 * w['bandwidth_fraction']:.0f}% of copy bandwidth)")
+          f"{w['bandwidth_gbs']:.0f} GB/s ({100 * w['bandwidth_fraction']:.0f}% of copy bandwidth)"
+          + (f"; with Lloyd-Max levels {w['lloyd_microseconds']:.0f} us" if lloyd else ""))
+    if lloyd:
+        print(f"Lloyd us: the same steps on the same codes read at Lloyd-Max levels (inner {args.lloyd_inner}); "
+              "cost = Lloyd us / INT2 us")
     return 0
 
 
@@ -487,6 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-rotations", choices=("layer", "head"), default="layer",
                    help="layer = one key rotation per layer (the paper); head = also an OSCAR rotation from each "
                         "KV head's own queries, and each KV head picks its own key transform (OSCAR+)")
+    p.add_argument("--levels", choices=("uniform", "lloyd"), default="uniform",
+                   help="INT2 levels: uniform = 0, 1/3, 2/3, 1 of each group's range (the paper); lloyd = each "
+                        "layer's INT2 keys and values may move the inner two outwards (Lloyd-Max, searched with "
+                        "the clip ratio on the calibration text; OSCAR+)")
+    p.add_argument("--inner", type=float, default=None, metavar="A",
+                   help="with --levels lloyd: every INT2 stream takes inner level A (e.g. 0.36) instead of a per-layer "
+                        "search; transform and clip are chosen on the uniform grid")
     p.add_argument("--positions", choices=("start", "spread"), default="start",
                    help="positions the calibration chunks run at: start = 0..chunk-1 (the paper); spread = "
                         "offsets spread over the model's context, so the key mean holds at every position")
@@ -565,6 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shapes", default="1x8192,1x32768,1x65536,1x131072,32x8192,32x32768",
                    help="BATCHxCONTEXT pairs (default %(default)s)")
     b.add_argument("--write-tokens", type=int, default=32768, help="prompt length for the write-path throughput")
+    b.add_argument("--lloyd-inner", type=float, default=None, metavar="A",
+                   help="also time every step with Lloyd-Max INT2 levels at inner level A (e.g. 0.38), same codes")
     b.add_argument("--json", action="store_true", help="print the results as JSON")
     b.set_defaults(func=cmd_bench_attention)
     b = bench_sub.add_parser("serve", help="load and fault test of a running OpenAI-compatible server (any device)")

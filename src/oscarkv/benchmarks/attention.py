@@ -7,11 +7,15 @@ BF16 baseline attends over exactly those values, dequantized, with torch SDPA (f
 backend where it runs). Both are timed in the same process with CUDA graphs (launch
 overhead excluded for both), and the achieved bandwidth is the bytes that must be read
 divided by the time, against the measured device-to-device copy bandwidth.
+
+With `inner` (`--lloyd-inner A`), each row also times the same kernels on the same codes read
+at Lloyd–Max levels with inner level A for keys and values (`quant.format`; one more masked dot
+per code tile), in the same run, so the cost of the levels is a ratio of two measured times.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -40,6 +44,8 @@ class AttentionResult:
     sdpa_gap: float  # kernel vs BF16 SDPA over the same (dequantized) contents
     splits: int
     sdpa_backend: str
+    lloyd_us: float | None = None  # the same step with Lloyd–Max levels (`inner`), same codes
+    lloyd_max_abs_error: float | None = None  # that kernel vs the torch reference at those levels
 
 
 @dataclass
@@ -50,6 +56,7 @@ class WriteResult:
     bytes_moved: int
     bandwidth_gbs: float
     bandwidth_fraction: float
+    lloyd_microseconds: float | None = None  # the same write with Lloyd–Max levels (`inner`)
 
 
 def _time_us(fn, graph: bool = True) -> float:
@@ -135,9 +142,9 @@ def decode_bytes(case: DecodeCase, context: int) -> int:
 
 def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  group: int = 128, copy_gbs: float | None = None, seed: int = 0, device: str = "cuda",
-                 timer=_time_us, key_bits: int = 2) -> AttentionResult:
+                 timer=_time_us, key_bits: int = 2, inner: float | None = None) -> AttentionResult:
     """One decode step at `context` tokens per sequence. `timer(fn) -> microseconds`; key_bits 4:
-    a layer with INT4 keys and INT2 values."""
+    a layer with INT4 keys and INT2 values; inner: also time the step at Lloyd–Max levels."""
     case = decode_case(batch, context, query_heads, kv_heads, head_dim, group, seed, device, key_bits)
     device = torch.device(device)
     cache, layout, layer, slots, step = case.cache, case.layer.layout, case.layer, case.slots, case.step
@@ -182,9 +189,23 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     sdpa_bytes = 2 * k_full.numel() * 2 + 2 * q.numel() * 2
     copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
     int2_gbs = int2_bytes / int2_us / 1e3
+    lloyd_us = lloyd_error = None
+    if inner is not None:
+        del k_full, v_full, reference_out
+        lloyd_layer = replace(layer, layout=replace(layout, key_inner=inner if layout.key_bits == 2 else None,
+                                                    value_inner=inner))
+
+        def lloyd():
+            attend_step(lloyd_layer, step, q, k_new, v_new, scale, num_splits=splits, out=out, workspace=workspace,
+                        validate=False)
+
+        lloyd()
+        lloyd_error = (out.float() - reference.attention_reference(lloyd_layer, step, q, k_new, v_new, scale)
+                       ).abs().max().item()
+        lloyd_us = timer(lloyd)
     return AttentionResult(batch, context, sdpa_us, int2_us, sdpa_us / int2_us, sdpa_bytes, int2_bytes,
                            sdpa_bytes / sdpa_us / 1e3, int2_gbs, int2_gbs / copy_gbs, copy_gbs, error, sdpa_gap,
-                           splits, backend)
+                           splits, backend, lloyd_us, lloyd_error)
 
 
 def _sdpa_flash(q, k, v):
@@ -193,7 +214,7 @@ def _sdpa_flash(q, k, v):
 
 
 def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, group: int = 128,
-                copy_gbs: float | None = None) -> WriteResult:
+                copy_gbs: float | None = None, inner: float | None = None) -> WriteResult:
     """Write path of a prompt of `tokens` tokens into an empty cache (center, rotate, quantize, pack)."""
     device = torch.device("cuda")
     layout = _layout(kv_heads, head_dim, group)
@@ -210,6 +231,11 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
     pieces = rotation_pieces(rotation, mean)  # prepared once per layer, as PagedOscarCache does
     us = _time_us(lambda: write_step(layer, step, k, v, rotation, mean, 0.96, 0.92, validate=False, pieces=pieces),
                   graph=False)
+    lloyd_us = None
+    if inner is not None:
+        lloyd_layer = replace(layer, layout=replace(layout, key_inner=inner, value_inner=inner))
+        lloyd_us = _time_us(lambda: write_step(lloyd_layer, step, k, v, rotation, mean, 0.96, 0.92, validate=False,
+                                               pieces=pieces), graph=False)
     hist = layout.history_end(tokens) - layout.sink_tokens
     window_tokens = tokens - hist
     moved = (2 * k.numel() * 2  # read K and V
@@ -218,18 +244,18 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
              + 2 * window_tokens * kv_heads * head_dim * 2)
     copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
     gbs = moved / us / 1e3
-    return WriteResult(tokens, us, tokens / us * 1e6, moved, gbs, gbs / copy_gbs)
+    return WriteResult(tokens, us, tokens / us * 1e6, moved, gbs, gbs / copy_gbs, lloyd_us)
 
 
-def run(shapes=DEFAULT_SHAPES, write_tokens: int = 32768) -> dict:
+def run(shapes=DEFAULT_SHAPES, write_tokens: int = 32768, inner: float | None = None) -> dict:
     if not torch.cuda.is_available():
         raise OscarError("`oscarkv bench attention` measures GPU kernels and needs a CUDA GPU; none is visible.")
     device = torch.device("cuda")
     copy_gbs = copy_bandwidth_gbs(device)
     rows = []
     for batch, context in shapes:
-        rows.append(asdict(bench_decode(batch, context, copy_gbs=copy_gbs)))
+        rows.append(asdict(bench_decode(batch, context, copy_gbs=copy_gbs, inner=inner)))
         torch.cuda.empty_cache()
-    write = asdict(bench_write(write_tokens, copy_gbs=copy_gbs))
+    write = asdict(bench_write(write_tokens, copy_gbs=copy_gbs, inner=inner))
     return {"device": torch.cuda.get_device_name(device), "copy_bandwidth_gbs": copy_gbs, "decode": rows,
             "write": write, "torch": torch.__version__}

@@ -64,12 +64,14 @@ class HistoryStore:
 
     quantize=True stores `bits`-bit codes (2, or 4 for a stream moved to INT4) and scales; False
     stores `plain_dtype` tensors (the BF16 baseline and the no-quantization checks use this).
+    inner: the Lloyd–Max inner level of INT2 codes (`quant.format`); None: the uniform grid.
     """
 
     def __init__(self, quantize: bool, group_size: int, clip_ratio: float, scale_dtype: torch.dtype,
-                 plain_dtype: torch.dtype, bits: int = 2) -> None:
+                 plain_dtype: torch.dtype, bits: int = 2, inner: float | None = None) -> None:
         self.quantize = quantize
         self.bits = bits
+        self.inner = inner if bits == 2 else None
         self.group_size = group_size
         self.clip_ratio = clip_ratio
         self.scale_dtype = scale_dtype
@@ -86,7 +88,7 @@ class HistoryStore:
                 limit = torch.finfo(self.plain_dtype).max
                 return x.clamp(-limit, limit).to(self.plain_dtype)
             return x.to(self.plain_dtype)
-        return quantize(x, self.bits, self.group_size, self.clip_ratio, self.scale_dtype)
+        return quantize(x, self.bits, self.group_size, self.clip_ratio, self.scale_dtype, self.inner)
 
     def decode(self, stored: QuantizedTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(stored, QuantizedTensor):
@@ -110,7 +112,7 @@ class HistoryStore:
         if not self.quantize:
             return self.parts[0].view()
         packed, scale, zero = (part.view() for part in self.parts)
-        return QuantizedTensor(packed, scale, zero, self.group_size, self.plain_dtype, self.bits)
+        return QuantizedTensor(packed, scale, zero, self.group_size, self.plain_dtype, self.bits, self.inner)
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole history dequantized to `dtype` (a temporary for the reference read path)."""

@@ -38,6 +38,8 @@ class LayerSpec:
     k_mean: torch.Tensor | None = None  # [Hkv, d]: subtracted from every key before R_K (SPEC §6)
     key_bits: int = 2  # history code widths: 2, or 4 where calibration moved the stream to INT4
     value_bits: int = 2
+    key_inner: float | None = None  # Lloyd–Max inner levels of INT2 streams (`quant.format`); None: uniform
+    value_inner: float | None = None
     plain_history: bool = False  # history kept in the window dtype (TurboQuant's boundary layers)
     # key_centering="rope": [blocks, Hkv, d] (R(o)·μ_K - μ_K)·R_K for o = block·i, subtracted from the
     # history keys of positions [o, o + block) before quantization and added back on reading
@@ -73,9 +75,9 @@ class OscarLayer(DynamicLayer):
                                                        history_dtype, self.spec.key_bits)
             else:
                 self.history_k = HistoryStore(quantized, quant.group_size, quant.clip_ratio_k, quant.scale_dtype,
-                                              history_dtype, self.spec.key_bits)
+                                              history_dtype, self.spec.key_bits, self.spec.key_inner)
             self.history_v = HistoryStore(quantized, quant.group_size, quant.clip_ratio_v, quant.scale_dtype,
-                                          history_dtype, self.spec.value_bits)
+                                          history_dtype, self.spec.value_bits, self.spec.value_inner)
         empty = key_states[:, :, :0].to(store_dtype)
         self.sink_k, self.sink_v = empty, empty.clone()
         self.tail_k, self.tail_v = empty.clone(), empty.clone()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import OscarError
+from ..quant.format import check_inner
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 
@@ -38,7 +39,9 @@ class CacheFullError(OscarError):
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """Shapes of one layer's paged cache. group_size, key_bits and value_bits describe the history codes."""
+    """Shapes of one layer's paged cache. group_size, key_bits and value_bits describe the history codes,
+    key_inner and value_inner their levels (Lloyd–Max inner levels of INT2 codes, `quant.format`;
+    None: the uniform grid)."""
 
     kv_heads: int
     head_dim: int
@@ -48,9 +51,13 @@ class PagedLayout:
     page_size: int = 64
     sink_tokens: int = 64
     recent_tokens: int = 256
+    key_inner: float | None = None
+    value_inner: float | None = None
 
     def __post_init__(self) -> None:
         d, g = self.head_dim, self.group_size
+        check_inner(self.key_inner, self.key_bits)
+        check_inner(self.value_inner, self.value_bits)
         if d not in KERNEL_HEAD_DIMS:
             raise OscarError(f"head_dim={d} is not supported by the paged cache; supported: {KERNEL_HEAD_DIMS}.")
         for name in ("key_bits", "value_bits"):

@@ -26,7 +26,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..errors import ArtifactError
+from ..errors import ArtifactError, OscarError
+from ..quant.format import check_inner
 from .rotations import check_orthogonal
 
 FORMAT_VERSION = 2  # 2: centering means, per-layer choices and bits (1: rotations only)
@@ -82,8 +83,9 @@ class LayerRotation:
     v_mean: torch.Tensor | None = None  # [Hkv, d], folded into the v_proj / o_proj biases
     paper_k_rotation: torch.Tensor | None = None
     paper_v_rotation: torch.Tensor | None = None
-    # k_transform, v_transform, clip_k, clip_v (at INT2), clip_k_int4, clip_v_int4, bits_k, bits_v, and
-    # predicted errors (see calibration.selection)
+    # k_transform, v_transform, clip_k, clip_v (at INT2), clip_k_int4, clip_v_int4, bits_k, bits_v,
+    # inner_k, inner_v (Lloyd–Max inner levels at INT2, `--levels lloyd`), and predicted errors (see
+    # calibration.selection)
     choice: dict = field(default_factory=dict)
 
     def stream_bits(self, kind: str) -> int:
@@ -97,6 +99,12 @@ class LayerRotation:
     @property
     def value_bits(self) -> int:
         return self.stream_bits("v")
+
+    def inner(self, kind: str) -> float | None:
+        """The Lloyd–Max inner level of stream `kind` (`quant.format`) where it is stored in INT2 with
+        them; None: the uniform grid (also for an INT4 stream)."""
+        value = self.choice.get(f"inner_{kind}")
+        return None if value is None or self.stream_bits(kind) != 2 else float(value)
 
     def clip(self, kind: str, default: float) -> float:
         """The clip ratio of stream `kind` ("k" or "v") at its bits: an INT4 stream uses its own
@@ -194,6 +202,11 @@ class RotationArtifact:
                 if layer.stream_bits(kind) not in (2, 4):
                     raise ArtifactError(f"layers.{i} asks for {layer.stream_bits(kind)} bits for its {kind} stream; "
                                         "only 2 and 4 exist. Re-run `oscarkv calibrate`.")
+                try:
+                    check_inner(layer.inner(kind))
+                except (OscarError, TypeError, ValueError) as exc:
+                    raise ArtifactError(f"layers.{i} has an unusable inner level for its {kind} stream ({exc}); "
+                                        "re-run `oscarkv calibrate`.") from None
             for name in ("k_rotation", "v_rotation", "paper_k_rotation", "paper_v_rotation"):
                 r = getattr(layer, name)
                 if r is None:

@@ -28,16 +28,18 @@ from ..config import CacheConfig, QuantConfig
 from ..errors import CalibrationError, OscarError
 from ..methods import data_free_artifact
 from ..models import attention_shape, model_identity
+from ..quant.format import check_inner
 from .artifact import LayerRotation, RotationArtifact
 from .collect import Collector, collecting
 from .rotations import check_power_of_two, compose_rotation, sorted_eigh
-from .selection import (CLIP_GRID_K, CLIP_GRID_V, apply_budget, choose_layer, chosen_key_error, retrieval_errors,
+from .selection import (CLIP_GRID_K, CLIP_GRID_V, LLOYD_INNER_GRID, apply_budget, choose_layer, chosen_key_error, retrieval_errors,
                         retrieval_probe)
 
 CALIBRATION_METHODS = ("oscar", "oscar-paper", "ktk", "vtv", "hadamard", "identity")
 VALUE_WEIGHTS = ("proxy", "attention")
 KEY_ROTATIONS = ("layer", "head")
 CALIBRATION_POSITIONS = ("start", "spread")
+LEVELS = ("uniform", "lloyd")
 HIGH_ERROR = 0.05  # predicted relative attention-output error above which calibration warns
 # The drift check: a layer whose predicted key error at the far end of the context exceeds both
 # DRIFT_RATIO times its error at the calibration positions and DRIFT_MIN is named in a warning.
@@ -76,6 +78,10 @@ class CalibrationConfig:
     # "layer": one R_K per layer (the paper); "head" (OSCAR+ option): also an OSCAR R_K from each KV
     # head's own C_Q, and each KV head may pick its own key transform (`selection.choose_layer`).
     key_rotations: str = "layer"
+    # INT2 levels: "uniform" (the paper) or "lloyd" (OSCAR+ option): each layer's INT2 streams may take
+    # Lloyd–Max inner levels (`quant.format`), searched with the clip ratio (`selection.choose_layer`).
+    levels: str = "uniform"
+    inner: float | None = None  # with levels="lloyd": this inner level for every INT2 stream, no search
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -91,6 +97,12 @@ class CalibrationConfig:
             raise OscarError(f"value_weights={self.value_weights!r} must be one of {', '.join(VALUE_WEIGHTS)}.")
         if self.key_rotations not in KEY_ROTATIONS:
             raise OscarError(f"key_rotations={self.key_rotations!r} must be one of {', '.join(KEY_ROTATIONS)}.")
+        if self.levels not in LEVELS:
+            raise OscarError(f"levels={self.levels!r} must be one of {', '.join(LEVELS)}.")
+        if self.inner is not None:
+            if self.levels != "lloyd":
+                raise OscarError("an inner level is for Lloyd-Max levels: pass it with levels='lloyd' (--levels lloyd).")
+            check_inner(self.inner)
         if self.positions not in CALIBRATION_POSITIONS:
             raise OscarError(f"positions={self.positions!r} must be one of {', '.join(CALIBRATION_POSITIONS)}.")
         if self.max_bits is not None and self.max_bits < 0:
@@ -211,7 +223,8 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
 
             def score(layer: int, q, k, v) -> None:
                 layers[layer].choice = choose_layer(layers[layer], q[0], k[0], v[0], quant, cache, window_of(layer),
-                                                    config.clip_grid_k, config.clip_grid_v, head_rotations[layer])
+                                                    config.clip_grid_k, config.clip_grid_v, head_rotations[layer],
+                                                    LLOYD_INNER_GRID if config.levels == "lloyd" else (), config.inner)
 
             collector.on_layer = score
             _run(model, [held_apart], collector, progress, held_offset)
@@ -253,6 +266,8 @@ def calibrate(model, token_ids: torch.Tensor, quant: QuantConfig, config: Calibr
         "drift_check_offset": far,
         "retrieval_probe": probe,
         "key_rotations": config.key_rotations if product else "layer",
+        "levels": config.levels if product else "uniform",
+        "inner": config.inner if product else None,
         "sources": list(sources or []),
         "model_source": getattr(model, "oscar_source", None),
     }

@@ -26,20 +26,23 @@ from .artifact import stream_bits
 # the demo passes the two-point grids (no clip, or the paper's ratio) to stay fast on a CPU.
 CLIP_GRID_K = (0.0, 0.9, 0.93, 0.96, 0.98)
 CLIP_GRID_V = (0.0, 0.88, 0.92, 0.95, 0.98)
+# Lloyd–Max inner levels tried per layer and INT2 stream (`--levels lloyd`), with every clip ratio of
+# the grid: moving the inner levels outwards and clipping both trade the tails against the middle.
+LLOYD_INNER_GRID = (0.35, 0.37, 0.39, 0.41)
 SCORED_QUERIES = 256
 DEFAULT_EXTRA_BITS = 0.25  # default budget: pure INT2 + this many bits per element
 
 
 def roundtrip(x: torch.Tensor, mean: torch.Tensor | None, rotation: torch.Tensor, bits: int, group_size: int,
-              clip: float) -> torch.Tensor:
+              clip: float, inner: float | None = None) -> torch.Tensor:
     """x [Hkv, T, d] as read back from the cache: ((x - μ)·R) quantized, then ·Rᵀ + μ.
 
-    rotation: [d, d] for the layer, or [Hkv, d, d], one per KV head."""
+    rotation: [d, d] for the layer, or [Hkv, d, d], one per KV head. inner: Lloyd–Max inner level."""
     rotation = rotation.to(device=x.device, dtype=x.dtype)
     mean = mean.to(device=x.device, dtype=x.dtype) if mean is not None else None
     centered = x - mean[:, None, :] if mean is not None else x
     rotated = centered @ rotation
-    restored = dequantize(quantize(rotated, bits, group_size, clip), x.dtype) @ rotation.transpose(-1, -2)
+    restored = dequantize(quantize(rotated, bits, group_size, clip, inner=inner), x.dtype) @ rotation.transpose(-1, -2)
     return restored + mean[:, None, :] if mean is not None else restored
 
 
@@ -105,8 +108,9 @@ class LayerScorer:
         per_query_head = (out - self.exact).double().pow(2).sum(dim=(1, 2))
         return per_query_head.reshape(self.k.shape[0], -1).sum(1) / self.norm
 
-    def key_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
-        return self._error(roundtrip(self.k, mean, rotation, bits, self.group_size, clip), self.v)
+    def key_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int,
+                  inner: float | None = None) -> float:
+        return self._error(roundtrip(self.k, mean, rotation, bits, self.group_size, clip, inner), self.v)
 
     def key_head_errors(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float,
                         bits: int) -> torch.Tensor:
@@ -114,8 +118,9 @@ class LayerScorer:
         its group, so the heads' errors are independent and a per-head choice adds them up."""
         return self._head_errors(roundtrip(self.k, mean, rotation, bits, self.group_size, clip), self.v)
 
-    def value_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int) -> float:
-        return self._error(self.k, roundtrip(self.v, mean, rotation, bits, self.group_size, clip))
+    def value_error(self, rotation: torch.Tensor, mean: torch.Tensor | None, clip: float, bits: int,
+                    inner: float | None = None) -> float:
+        return self._error(self.k, roundtrip(self.v, mean, rotation, bits, self.group_size, clip, inner))
 
 
 # One-letter names of the key transforms in a per-head pick (the calibration report prints them).
@@ -145,7 +150,8 @@ def _per_head_picks(head_scored: dict, names: list[str]) -> dict:
 
 def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant, cache,
                  sliding_window: int | None = None, clip_grid_k: tuple[float, ...] = CLIP_GRID_K,
-                 clip_grid_v: tuple[float, ...] = CLIP_GRID_V, head_k_rotation: torch.Tensor | None = None) -> dict:
+                 clip_grid_v: tuple[float, ...] = CLIP_GRID_V, head_k_rotation: torch.Tensor | None = None,
+                 inner_grid: tuple[float, ...] = (), inner_fixed: float | None = None) -> dict:
     """Pick, for K and for V of one layer, centering, transform and clip; sets the layer's rotations and means.
 
     q: [Hq, T, d], k, v: [Hkv, T, d] of held-apart tokens. Candidates: centered or not ×
@@ -157,6 +163,11 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
     head`). The keys then also try it ("oscar-head"), and each KV head may take its own
     transform ("per-head": k_rotation becomes [Hkv, d, d], `k_head_transforms` names them);
     centering and clip stay one per layer.
+
+    inner_grid: Lloyd–Max inner levels (`quant.format`) to try with the chosen transform and every
+    clip ratio; a stream takes them where they lower its INT2 error (`inner_{kind}`, else None).
+    inner_fixed: instead, every INT2 stream takes this inner level, with the transform and clip
+    chosen on the uniform grid.
     """
     from .rotations import hadamard
 
@@ -198,6 +209,14 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
             choice["k_head_transforms"] = head_names
         else:
             rotation = options[(centered, name)]
+        inner, uniform_error = None, best
+        if inner_fixed is not None:
+            inner, best = inner_fixed, error(rotation, mean if centered else None, clip, 2, inner_fixed)
+        elif inner_grid:
+            lloyd = {(c, a): error(rotation, mean if centered else None, c, 2, a) for c in grid for a in inner_grid}
+            (lloyd_clip, lloyd_inner), lloyd_error = min(lloyd.items(), key=lambda item: item[1])
+            if lloyd_error < best:
+                clip, inner, best = lloyd_clip, lloyd_inner, lloyd_error
         # The paper method is one of the candidates when its clip ratio is on the grid.
         paper_key = (False, "oscar", paper_clip)
         paper_error = scored[paper_key] if paper_key in scored else error(paper.double(), None, paper_clip, 2)
@@ -210,6 +229,8 @@ def choose_layer(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
             f"{kind}_transform": name,
             f"clip_{kind}": clip,
             f"error_{kind}": best,
+            f"inner_{kind}": inner,
+            f"uniform_error_{kind}": uniform_error,
             f"clip_{kind}_int4": clip_int4,
             f"error_{kind}_int4": int4[clip_int4],
             f"paper_error_{kind}": paper_error,
@@ -239,7 +260,8 @@ def retrieval_errors(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     errors = {}
     for kind, error, rotation, mean in (("k", scorer.key_error, layer.k_rotation, layer.k_mean),
                                         ("v", scorer.value_error, layer.v_rotation, layer.v_mean)):
-        errors[f"retrieval_error_{kind}"] = error(rotation.double(), mean, choice[f"clip_{kind}"], 2)
+        errors[f"retrieval_error_{kind}"] = error(rotation.double(), mean, choice[f"clip_{kind}"], 2,
+                                                  choice.get(f"inner_{kind}"))
         errors[f"retrieval_error_{kind}_int4"] = error(rotation.double(), mean, choice[f"clip_{kind}_int4"], 4)
     return errors
 
@@ -252,7 +274,7 @@ def chosen_key_error(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     key mean to center by instead of the layer's (e.g. turned by RoPE to the tokens' positions)."""
     scorer = LayerScorer(q, k, v, cache.sink_tokens, cache.recent_tokens, quant.group_size, sliding_window)
     return scorer.key_error(layer.k_rotation.double(), layer.k_mean if mean is None else mean,
-                            layer.choice["clip_k"], 2)
+                            layer.choice["clip_k"], 2, layer.choice.get("inner_k"))
 
 
 def held_tokens(shape, cache, context: int) -> tuple[list[int], list[int]]:

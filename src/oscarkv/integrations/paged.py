@@ -34,6 +34,7 @@ def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, he
     """One layout per layer; raises OscarError when a layer's shape is not one the kernels take."""
     return [PagedLayout(kv_heads=kv_heads, head_dim=head_dim, group_size=spec.quant.group_size,
                         key_bits=spec.key_bits, value_bits=spec.value_bits,
+                        key_inner=spec.key_inner, value_inner=spec.value_inner,
                         page_size=config.page_size, sink_tokens=config.sink_tokens,
                         recent_tokens=config.recent_tokens) for spec in specs]
 

@@ -191,6 +191,8 @@ def layer_specs(artifact: RotationArtifact, quant: QuantConfig, layer_types, sli
             k_mean=layer.k_mean,
             key_bits=layer.key_bits,
             value_bits=layer.value_bits,
+            key_inner=layer.inner("k"),
+            value_inner=layer.inner("v"),
             plain_history=bool(choice.get("plain_history", False)),
         ))
     return specs

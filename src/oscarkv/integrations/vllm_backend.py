@@ -152,7 +152,8 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
                                    lambda kind: rope.config_inverse_frequencies(self.model_config.hf_config,
                                                                                 self.head_size))[0]
             cells = CellFormat(self.head_size, spec.quant.group_size, spec.key_bits, spec.value_bits,
-                               cell_bytes=_cell_bytes(settings, self.head_size))
+                               cell_bytes=_cell_bytes(settings, self.head_size), key_inner=spec.key_inner,
+                               value_inner=spec.value_inner)
             cache = settings.cache
             windows = RequestWindows(self.lanes, self.num_kv_heads, self.head_size, cache.sink_tokens,
                                      cache.recent_tokens, cache.window_dtype, device)

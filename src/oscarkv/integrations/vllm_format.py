@@ -31,7 +31,8 @@ CELL_ALIGN = 8  # bytes; vLLM views the page in the model dtype, so C must divid
 
 @dataclass(frozen=True)
 class CellFormat:
-    """Bytes of one (token, KV head) cell: K codes | V codes | K scale, K zero | V scale, V zero."""
+    """Bytes of one (token, KV head) cell: K codes | V codes | K scale, K zero | V scale, V zero.
+    key_inner, value_inner: Lloyd–Max inner levels of INT2 codes (`quant.format`); None: uniform."""
 
     head_dim: int
     group_size: int
@@ -39,6 +40,8 @@ class CellFormat:
     value_bits: int = 2
     scale_dtype: torch.dtype = torch.float16
     cell_bytes: int = 0  # the page's C (>= used_bytes, shared by all layers); 0: used_bytes aligned
+    key_inner: float | None = None
+    value_inner: float | None = None
 
     def __post_init__(self) -> None:
         if self.cell_bytes == 0:
@@ -69,8 +72,9 @@ class CellFormat:
     def encode(self, keys: torch.Tensor, values: torch.Tensor, clip_k: float, clip_v: float) -> torch.Tensor:
         """keys, values: [..., D] -> uint8 cells [..., cell_bytes]."""
         parts = []
-        quantized = [quantize(x, bits, self.group_size, clip, self.scale_dtype)
-                     for x, bits, clip in ((keys, self.key_bits, clip_k), (values, self.value_bits, clip_v))]
+        quantized = [quantize(x, bits, self.group_size, clip, self.scale_dtype, inner)
+                     for x, bits, clip, inner in ((keys, self.key_bits, clip_k, self.key_inner),
+                                                  (values, self.value_bits, clip_v, self.value_inner))]
         parts += [q.packed for q in quantized]
         for q in quantized:
             parts += [q.scale.contiguous().view(torch.uint8), q.zero.contiguous().view(torch.uint8)]
@@ -89,8 +93,10 @@ class CellFormat:
         def scales(raw: torch.Tensor) -> torch.Tensor:
             return raw.contiguous().view(self.scale_dtype)
 
-        k = QuantizedTensor(pieces[0], scales(pieces[2]), scales(pieces[3]), self.group_size, dtype, self.key_bits)
-        v = QuantizedTensor(pieces[1], scales(pieces[4]), scales(pieces[5]), self.group_size, dtype, self.value_bits)
+        k = QuantizedTensor(pieces[0], scales(pieces[2]), scales(pieces[3]), self.group_size, dtype, self.key_bits,
+                            self.key_inner)
+        v = QuantizedTensor(pieces[1], scales(pieces[4]), scales(pieces[5]), self.group_size, dtype, self.value_bits,
+                            self.value_inner)
         return dequantize(k, dtype), dequantize(v, dtype)
 
 

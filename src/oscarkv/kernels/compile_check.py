@@ -21,13 +21,14 @@ ATTENTION_TYPES = dict(
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, qk_scale="fp32", window="i32",
-    shift_ptr="*fp32", num_blocks="i32")
+    shift_ptr="*fp32", num_blocks="i32", k_kappa="fp32", k_unit="fp32", v_kappa="fp32", v_unit="fp32")
 WRITE_TYPES = dict(
     k_ptr=WINDOW, v_ptr=WINDOW, k_rot_ptr=WINDOW, rot_ptr="*fp32", rot_head_stride="i32", mean_ptr="*fp32",
     pieces_ptr="*bf16", mean_rot_ptr="*fp32",
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
-    sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, kshift_ptr="*fp32", num_blocks="i32")
+    sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, kshift_ptr="*fp32", num_blocks="i32",
+    k_low="fp32", k_high="fp32", v_low="fp32", v_high="fp32")
 DENSE_TYPES = dict(
     q_ptr=WINDOW, k_ptr=WINDOW, v_ptr=WINDOW, out_ptr=WINDOW, part_o_ptr="*fp32", part_lse_ptr="*fp32",
     slots_ptr="*i64", lengths_ptr="*i64", stride_slot="i64", stride_head="i64", scale_log2="fp32", window="i32")
@@ -73,7 +74,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
 
     count = 0
     for d, group, key_bits, value_bits, hq, hkv, page, sink, recent in configs:
-        shape = dict(D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink, R=recent)
+        shape = dict(D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink, R=recent,
+                     K_LLOYD=False, V_LLOYD=False)
         jobs = []
         # prefill; decode history, windows; decode history with key_centering="rope" shifts. Decode
         # launches overlap (programmatic dependent launch) from sm_90: history first, windows second.
@@ -82,7 +84,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                                                   (17, 1, 4, True)):
             overlap = 0 if regions == 0 or not pdl else regions
             jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
-                         dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
+                         dict(shape, PART_PAGE=regions == 0, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
                               SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
                               WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, OVERLAP=overlap),
                          dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
@@ -103,6 +105,18 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         for shifted in (False, True):
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, KEY_SHIFTS=shifted),
                          unfused))
+        if key_bits == value_bits == 2:  # Lloyd–Max levels: prefill, decode history, prompt write, flush
+            lloyd = dict(K_LLOYD=True, V_LLOYD=True)
+            for splits, regions in ((1, 0), (17, 1)):
+                jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
+                             dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
+                                  SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
+                                  WINDOW_SPLITS=4, KEY_SHIFTS=False, SHIFT_BLOCK=1024,
+                                  OVERLAP=regions if pdl else 0, PART_PAGE=regions == 0, **lloyd),
+                             dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
+            jobs.append((triton_write._write_kernel, WRITE_TYPES,
+                         dict(write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, BF16_DOTS=True, **lloyd), unfused))
+            jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), unfused))
         jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),
                      dict(num_warps=4, num_stages=3)))

@@ -46,11 +46,11 @@ def _store_history(layer: PagedLayer, slot: int, block_table: torch.Tensor, posi
     if layer.key_shifts is not None:  # rounded back to the window dtype, as the kernel quantizes it
         shift = layer.key_shifts[layer.shift_index(positions)]
         keys = (keys.float() - shift).to(layer.ring_k.dtype)
-    for stream, bits, clip, codes, scale, zero in (
-        (keys, lay.key_bits, clip_k, layer.k_codes, layer.k_scale, layer.k_zero),
-        (values, lay.value_bits, clip_v, layer.v_codes, layer.v_scale, layer.v_zero),
+    for stream, bits, inner, clip, codes, scale, zero in (
+        (keys, lay.key_bits, lay.key_inner, clip_k, layer.k_codes, layer.k_scale, layer.k_zero),
+        (values, lay.value_bits, lay.value_inner, clip_v, layer.v_codes, layer.v_scale, layer.v_zero),
     ):
-        q = quantize(stream.float(), bits, lay.group_size, clip, torch.float16)
+        q = quantize(stream.float(), bits, lay.group_size, clip, torch.float16, inner)
         codes[pages, :, rows] = q.packed
         scale[pages, :, rows] = q.scale
         zero[pages, :, rows] = q.zero
@@ -98,11 +98,11 @@ def stored_kv_reference(layer: PagedLayer, block_table: torch.Tensor, slot: int,
     if hist.numel():
         pages = block_table[slot, (hist - s) // lay.page_size].long()
         rows = (hist - s) % lay.page_size
-        for parts, bits, codes, scale, zero in (
-                (parts_k, lay.key_bits, layer.k_codes, layer.k_scale, layer.k_zero),
-                (parts_v, lay.value_bits, layer.v_codes, layer.v_scale, layer.v_zero)):
+        for parts, bits, inner, codes, scale, zero in (
+                (parts_k, lay.key_bits, lay.key_inner, layer.k_codes, layer.k_scale, layer.k_zero),
+                (parts_v, lay.value_bits, lay.value_inner, layer.v_codes, layer.v_scale, layer.v_zero)):
             q = QuantizedTensor(codes[pages, :, rows], scale[pages, :, rows], zero[pages, :, rows],
-                                lay.group_size, torch.float32, bits)
+                                lay.group_size, torch.float32, bits, inner)
             x = dequantize(q)
             if layer.key_shifts is not None and parts is parts_k:
                 x = x + layer.key_shifts[layer.shift_index(hist)]

@@ -22,7 +22,8 @@ is read as int16 words and split into eight "slices" with one 32-bit AND per pai
 (see the comment above `_slice_layout`); D = 64 reads bytes as four quarters
 (`_page_codes`). The online softmax works in base 2 with the softmax scale folded into the
 queries. With key shifts (key_centering="rope") each history page's scores get the term
-q·shift of its block, computed once per step by `_score_shift_kernel`.
+q·shift of its block, computed once per step by `_score_shift_kernel`. INT2 streams with
+Lloyd–Max levels (`quant.format`) add one high-bit dot per code tile (`_lloyd_dot`).
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def _as_float16_units(c):
 
 
 @triton.jit
-def _page_codes(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+def _page_codes(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr = False):
     """Codes of one (page, KV head), P rows from row `row0`, as four [P, D/4] float16 quarters in
-    units of 2^-24 (`_as_float16_units`). The P rows are one contiguous run of bytes, read with
+    units of 2^-24 (`_as_float16_units`), and (LLOYD) the four quarters of their high bits b1 in the
+    same units (else the codes again). The P rows are one contiguous run of bytes, read with
     wide loads; turning a code into a float16 costs a shift and a mask, no conversion."""
     W: tl.constexpr = D // 4
     ROW_BYTES: tl.constexpr = D * BITS // 8
@@ -72,6 +74,13 @@ def _page_codes(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.cons
         c1 = (packed >> 2) & MASK
         c2 = (packed >> 4) & MASK
         c3 = packed >> 6
+        if LLOYD:
+            b0 = (packed >> 1) & 1
+            b1 = (packed >> 3) & 1
+            b2 = (packed >> 5) & 1
+            b3 = packed >> 7
+        else:
+            b0, b1, b2, b3 = c0, c1, c2, c3
     else:
         low = tl.load(src)
         high = tl.load(src + W)
@@ -79,7 +88,9 @@ def _page_codes(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.cons
         c2 = low >> 4
         c1 = high & MASK
         c3 = high >> 4
-    return _as_float16_units(c0), _as_float16_units(c1), _as_float16_units(c2), _as_float16_units(c3)
+        b0, b1, b2, b3 = c0, c1, c2, c3
+    return (_as_float16_units(c0), _as_float16_units(c1), _as_float16_units(c2), _as_float16_units(c3),
+            _as_float16_units(b0), _as_float16_units(b1), _as_float16_units(b2), _as_float16_units(b3))
 
 
 @triton.jit
@@ -96,33 +107,74 @@ def _page_params(scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P
 
 
 @triton.jit
-def _group_scores(d, scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, q_sum):
-    """Scores of group g from d = q·c (units of 2^-24): Σ_d q·(c - z)·s = s·2^24·d - s·z·Σq."""
+def _group_scores(d, scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, q_sum, unit):
+    """Scores of group g from d = q·c (units of 2^-24): Σ_d q·(c - z)·s = s·2^24·d - s·z·Σq. unit: 2^24
+    (UNIT_INV), or 3a·2^24 for Lloyd–Max levels, where d = q·(c + kappa·b1) (`_lloyd_dot`)."""
     scale, zero = _page_params(scale_ptr, zero_ptr, row0, g, NG, P)
-    return d * (scale * UNIT_INV)[None, :] - q_sum[:, None] * (scale * zero)[None, :]
+    return d * (scale * unit)[None, :] - q_sum[:, None] * (scale * zero)[None, :]
+
+
+# Lloyd–Max levels (INT2, `quant.format`): level(c) = 3a·(c + kappa·b1), b1 the code's high bit. The
+# dots keep running on raw codes: one more dot per code tile, of the high bits against the query
+# (or the probabilities) times kappa, and 3a joins the 2^24 that turns units back into values.
 
 
 @triton.jit
-def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, row0,
-                    P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
-    """[BLOCK_M, P] float32 scores of the queries (float16 quarters q_i, their sums qs_i) against
-    one page of quantized keys. The dots run on the raw codes; the scale and zero of each token
-    and group are applied to the [BLOCK_M, P] result, not to the [P, D] keys."""
-    k0, k1, k2, k3 = _page_codes(kc_ptr, row0, P, D, BITS)
-    d = tl.dot(q0, tl.trans(k0))
-    if NG == 4:
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0)
-        s += _group_scores(tl.dot(q1, tl.trans(k1)), ks_ptr, kz_ptr, row0, 1, NG, P, qs1)
-        s += _group_scores(tl.dot(q2, tl.trans(k2)), ks_ptr, kz_ptr, row0, 2, NG, P, qs2)
-        s += _group_scores(tl.dot(q3, tl.trans(k3)), ks_ptr, kz_ptr, row0, 3, NG, P, qs3)
-    elif NG == 2:
-        d = tl.dot(q1, tl.trans(k1), d)
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1)
-        d = tl.dot(q3, tl.trans(k3), tl.dot(q2, tl.trans(k2)))
-        s += _group_scores(d, ks_ptr, kz_ptr, row0, 1, NG, P, qs2 + qs3)
+def _lloyd_dot(a, b, hb, a_kappa, acc, LLOYD: tl.constexpr):
+    """a·b (+ acc) and, with LLOYD, + a_kappa·hb: the dot of one code tile b whose high bits are hb,
+    a_kappa being the operand a times kappa (float16)."""
+    acc = tl.dot(a, b, acc)
+    if LLOYD:
+        acc = tl.dot(a_kappa, hb, acc)
+    return acc
+
+
+@triton.jit
+def _times(x, factor, LLOYD: tl.constexpr):
+    """x·factor as float16 (the kappa operand of `_lloyd_dot`); x itself without LLOYD (unused there)."""
+    if LLOYD:
+        return (x.to(tl.float32) * factor).to(tl.float16)
     else:
-        d = tl.dot(q3, tl.trans(k3), tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1), d)))
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1 + qs2 + qs3)
+        return x
+
+
+@triton.jit
+def _unit(unit, LLOYD: tl.constexpr):
+    """The factor from dot units to values: `unit` (3a·2^24) with LLOYD, else 2^24."""
+    if LLOYD:
+        return unit
+    else:
+        return UNIT_INV
+
+
+@triton.jit
+def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, unit, kc_ptr, ks_ptr, kz_ptr, row0,
+                    P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr):
+    """[BLOCK_M, P] float32 scores of the queries (float16 quarters q_i, their sums qs_i; qk_i = q_i·kappa
+    for Lloyd–Max levels) against one page of quantized keys. The dots run on the raw codes; the
+    scale and zero of each token and group are applied to the [BLOCK_M, P] result, not to the
+    [P, D] keys."""
+    k0, k1, k2, k3, b0, b1, b2, b3 = _page_codes(kc_ptr, row0, P, D, BITS, LLOYD)
+    d = _lloyd_dot(q0, tl.trans(k0), tl.trans(b0), qk0, None, LLOYD)
+    if NG == 4:
+        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0, unit)
+        s += _group_scores(_lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, None, LLOYD), ks_ptr, kz_ptr, row0, 1,
+                           NG, P, qs1, unit)
+        s += _group_scores(_lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, None, LLOYD), ks_ptr, kz_ptr, row0, 2,
+                           NG, P, qs2, unit)
+        s += _group_scores(_lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, None, LLOYD), ks_ptr, kz_ptr, row0, 3,
+                           NG, P, qs3, unit)
+    elif NG == 2:
+        d = _lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, d, LLOYD)
+        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1, unit)
+        d = _lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, None, LLOYD)
+        d = _lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, d, LLOYD)
+        s += _group_scores(d, ks_ptr, kz_ptr, row0, 1, NG, P, qs2 + qs3, unit)
+    else:
+        d = _lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, d, LLOYD)
+        d = _lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, d, LLOYD)
+        d = _lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, d, LLOYD)
+        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1 + qs2 + qs3, unit)
     return s
 
 
@@ -189,6 +241,12 @@ def _slice_codes(w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.co
 
 
 @triton.jit
+def _slice_high_bits(w0, h0, s: tl.constexpr, ASM: tl.constexpr):
+    """The high bits of INT2 slice s's codes as float16 units (2·b1·mult·2^-24; see `_slice_codes`)."""
+    return _masked_units(w0 if s < 4 else h0, 2 << (2 * (s % 4)), ASM)
+
+
+@triton.jit
 def _page_words(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Word tiles [P, D/8] int16 of one (page, KV head) from row `row0`: w0 and, for INT4, w1,
     and their high bytes (see `_slice_codes`)."""
@@ -231,81 +289,88 @@ def _query_slice(q_ptr, q_row, row_valid, qk_scale, s: tl.constexpr, D: tl.const
 
 
 @triton.jit
-def _slice_scores(qs, w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """q·c of one slice: [BLOCK_M, P] in units of 2^-24."""
-    return tl.dot(qs, tl.trans(_slice_codes(w0, w1, h0, h1, s, BITS, ASM)))
+def _slice_scores(qs, qk, w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+                  LLOYD: tl.constexpr, acc=None):
+    """q·c (+ acc) of one slice: [BLOCK_M, P] in units of 2^-24; with LLOYD, q·(c + kappa·b1), qk being
+    the slice's query times kappa/2 (its high bits read as 2·b1)."""
+    high = tl.trans(_slice_high_bits(w0, h0, s, ASM)) if LLOYD else None
+    return _lloyd_dot(qs, tl.trans(_slice_codes(w0, w1, h0, h1, s, BITS, ASM)), high, qk, acc, LLOYD)
 
 
 @triton.jit
-def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qsum0, qsum1, qsum2, qsum3, w0, w1, h0, h1,
-                   ks_ptr, kz_ptr, row0, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-                   ASM: tl.constexpr):
-    """[BLOCK_M, P] float32 scores against one page of quantized keys (sliced path)."""
+def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, qk4, qk5, qk6, qk7,
+                   qsum0, qsum1, qsum2, qsum3, unit, w0, w1, h0, h1, ks_ptr, kz_ptr, row0, P: tl.constexpr,
+                   D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
+    """[BLOCK_M, P] float32 scores against one page of quantized keys (sliced path; qk_s: the slices
+    times kappa/2 for Lloyd–Max levels, with `unit` = 3a·2^24)."""
     if NG == 1:
-        d = tl.dot(qs0, tl.trans(_slice_codes(w0, w1, h0, h1, 0, BITS, ASM)))
-        d = tl.dot(qs1, tl.trans(_slice_codes(w0, w1, h0, h1, 1, BITS, ASM)), d)
-        d = tl.dot(qs2, tl.trans(_slice_codes(w0, w1, h0, h1, 2, BITS, ASM)), d)
-        d = tl.dot(qs3, tl.trans(_slice_codes(w0, w1, h0, h1, 3, BITS, ASM)), d)
-        d = tl.dot(qs4, tl.trans(_slice_codes(w0, w1, h0, h1, 4, BITS, ASM)), d)
-        d = tl.dot(qs5, tl.trans(_slice_codes(w0, w1, h0, h1, 5, BITS, ASM)), d)
-        d = tl.dot(qs6, tl.trans(_slice_codes(w0, w1, h0, h1, 6, BITS, ASM)), d)
-        d = tl.dot(qs7, tl.trans(_slice_codes(w0, w1, h0, h1, 7, BITS, ASM)), d)
-        return _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0)
+        d = _slice_scores(qs0, qk0, w0, w1, h0, h1, 0, BITS, ASM, LLOYD)
+        d = _slice_scores(qs1, qk1, w0, w1, h0, h1, 1, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs2, qk2, w0, w1, h0, h1, 2, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs3, qk3, w0, w1, h0, h1, 3, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs4, qk4, w0, w1, h0, h1, 4, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, BITS, ASM, LLOYD, d)
+        return _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, unit)
     else:
         d0 = tl.zeros([qs0.shape[0], P], tl.float32)
         d1 = tl.zeros([qs0.shape[0], P], tl.float32)
         d2 = tl.zeros([qs0.shape[0], P], tl.float32)
         d3 = tl.zeros([qs0.shape[0], P], tl.float32)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs0, w0, w1, h0, h1, 0, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs0, qk0, w0, w1, h0, h1, 0, BITS, ASM, LLOYD),
                                        0, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs1, w0, w1, h0, h1, 1, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs1, qk1, w0, w1, h0, h1, 1, BITS, ASM, LLOYD),
                                        1, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs2, w0, w1, h0, h1, 2, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs2, qk2, w0, w1, h0, h1, 2, BITS, ASM, LLOYD),
                                        2, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs3, w0, w1, h0, h1, 3, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs3, qk3, w0, w1, h0, h1, 3, BITS, ASM, LLOYD),
                                        3, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs4, w0, w1, h0, h1, 4, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs4, qk4, w0, w1, h0, h1, 4, BITS, ASM, LLOYD),
                                        4, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs5, w0, w1, h0, h1, 5, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, BITS, ASM, LLOYD),
                                        5, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs6, w0, w1, h0, h1, 6, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, BITS, ASM, LLOYD),
                                        6, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs7, w0, w1, h0, h1, 7, BITS, ASM),
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, BITS, ASM, LLOYD),
                                        7, D, NG, BITS)
-        s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0)
-        s += _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1)
+        s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, unit)
+        s += _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1, unit)
         if NG == 4:
-            s += _group_scores(d2, ks_ptr, kz_ptr, row0, 2, NG, P, qsum2)
-            s += _group_scores(d3, ks_ptr, kz_ptr, row0, 3, NG, P, qsum3)
+            s += _group_scores(d2, ks_ptr, kz_ptr, row0, 2, NG, P, qsum2, unit)
+            s += _group_scores(d3, ks_ptr, kz_ptr, row0, 3, NG, P, qsum3, unit)
         return s
 
 
 @triton.jit
-def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, acc, v0, v1, vh0, vh1,
-                   D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """acc + (weights of slice s's group) · (value codes of slice s)."""
+def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, wk0, wk1, wk2, wk3, acc, v0, v1, vh0, vh1,
+                   D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
+    """acc + (weights of slice s's group) · (value codes of slice s); with LLOYD also + (the weights
+    times kappa/2, wk_g) · (their high bits)."""
     if BITS == 2:
         g: tl.constexpr = (s % 4) * NG // 4
     else:
         g: tl.constexpr = ((s // 4) + (s % 2) * 2) * NG // 4
     if g == 0:
-        weight = wz0
+        weight, weight_k = wz0, wk0
     elif g == 1:
-        weight = wz1
+        weight, weight_k = wz1, wk1
     elif g == 2:
-        weight = wz2
+        weight, weight_k = wz2, wk2
     else:
-        weight = wz3
-    return tl.dot(weight, _slice_codes(v0, v1, vh0, vh1, s, BITS, ASM), acc)
+        weight, weight_k = wz3, wk3
+    high = _slice_high_bits(v0, vh0, s, ASM) if LLOYD else None
+    return _lloyd_dot(weight, _slice_codes(v0, v1, vh0, vh1, s, BITS, ASM), high, weight_k, acc, LLOYD)
 
 
 @triton.jit
 def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                         vc_ptr, vs_ptr, vz_ptr, row0, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-                         BITS: tl.constexpr, ASM: tl.constexpr):
+                         vc_ptr, vs_ptr, vz_ptr, row0, half_kappa, P: tl.constexpr, D: tl.constexpr,
+                         NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
     """Online-softmax step over one page of quantized values (sliced path). acc_s holds
-    Σ p·s·c·mult_s in units of 2^-24 and every column of z_g [BLOCK_M, 16] holds Σ p·s·z of group g.
-    s: masked scores. The sums are rescaled only when a row's running max grows."""
+    Σ p·s·c·mult_s in units of 2^-24 (LLOYD: Σ p·s·(c + kappa·b1)·mult_s) and every column of z_g
+    [BLOCK_M, 16] holds Σ p·s·z of group g. s: masked scores. The sums are rescaled only when a
+    row's running max grows."""
     m_new, p, alpha, l = _softmax_weights(s, None, m, l)
     v0, v1, vh0, vh1 = _page_words(vc_ptr, row0, P, D, BITS, ASM)
     if tl.max((m_new > m).to(tl.int32), 0) > 0:  # alpha is exactly 1 on rows whose max held
@@ -330,20 +395,36 @@ def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
     if NG == 4:
         w2, z2 = _weighted_codes_mma(p, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
         w3, z3 = _weighted_codes_mma(p, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
-    acc0 = _sliced_values(0, w0, w1, w2, w3, acc0, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc1 = _sliced_values(1, w0, w1, w2, w3, acc1, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc2 = _sliced_values(2, w0, w1, w2, w3, acc2, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc3 = _sliced_values(3, w0, w1, w2, w3, acc3, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc4 = _sliced_values(4, w0, w1, w2, w3, acc4, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc5 = _sliced_values(5, w0, w1, w2, w3, acc5, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc6 = _sliced_values(6, w0, w1, w2, w3, acc6, v0, v1, vh0, vh1, D, NG, BITS, ASM)
-    acc7 = _sliced_values(7, w0, w1, w2, w3, acc7, v0, v1, vh0, vh1, D, NG, BITS, ASM)
+    k0 = _times(w0, half_kappa, LLOYD)
+    k1, k2, k3 = k0, k0, k0
+    if NG >= 2:
+        k1 = _times(w1, half_kappa, LLOYD)
+    if NG == 4:
+        k2 = _times(w2, half_kappa, LLOYD)
+        k3 = _times(w3, half_kappa, LLOYD)
+    acc0 = _sliced_values(0, w0, w1, w2, w3, k0, k1, k2, k3, acc0, v0, v1, vh0, vh1, D, NG, BITS, ASM, LLOYD)
+    acc1 = _sliced_values(1, w0, w1, w2, w3, k0, k1, k2, k3, acc1, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                          LLOYD)
+    acc2 = _sliced_values(2, w0, w1, w2, w3, k0, k1, k2, k3, acc2, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                          LLOYD)
+    acc3 = _sliced_values(3, w0, w1, w2, w3, k0, k1, k2, k3, acc3, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                          LLOYD)
+    acc4 = _sliced_values(4, w0, w1, w2, w3, k0, k1, k2, k3, acc4, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                          LLOYD)
+    acc5 = _sliced_values(5, w0, w1, w2, w3, k0, k1, k2, k3, acc5, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                          LLOYD)
+    acc6 = _sliced_values(6, w0, w1, w2, w3, k0, k1, k2, k3, acc6, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                          LLOYD)
+    acc7 = _sliced_values(7, w0, w1, w2, w3, k0, k1, k2, k3, acc7, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                          LLOYD)
     return m_new, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
 
 
 @triton.jit
-def _slice_output(acc, s: tl.constexpr, z0, z1, z2, z3, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
-    """Slice s of the output in plain units: acc·2^24/mult - Σ p·s·z of its group."""
+def _slice_output(acc, s: tl.constexpr, z0, z1, z2, z3, unit, D: tl.constexpr, NG: tl.constexpr,
+                  BITS: tl.constexpr):
+    """Slice s of the output in plain units: acc·unit/mult - Σ p·s·z of its group (unit: 2^24, or
+    3a·2^24 for Lloyd–Max levels)."""
     offset, parity, mult = _slice_layout(s, D, BITS)
     if BITS == 2:
         g: tl.constexpr = (s % 4) * NG // 4
@@ -357,7 +438,7 @@ def _slice_output(acc, s: tl.constexpr, z0, z1, z2, z3, D: tl.constexpr, NG: tl.
         z = z2
     else:
         z = z3
-    return acc * (UNIT_INV / mult) - z[:, None]
+    return acc * (unit / mult) - z[:, None]
 
 
 @triton.jit
@@ -367,17 +448,17 @@ def _interleave(even, odd):
 
 
 @triton.jit
-def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, unit,
                      D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
     """The eight slice accumulators as the four output quarters [M, D/4] (plain units)."""
-    o0 = _slice_output(acc0, 0, z0, z1, z2, z3, D, NG, BITS)
-    o1 = _slice_output(acc1, 1, z0, z1, z2, z3, D, NG, BITS)
-    o2 = _slice_output(acc2, 2, z0, z1, z2, z3, D, NG, BITS)
-    o3 = _slice_output(acc3, 3, z0, z1, z2, z3, D, NG, BITS)
-    o4 = _slice_output(acc4, 4, z0, z1, z2, z3, D, NG, BITS)
-    o5 = _slice_output(acc5, 5, z0, z1, z2, z3, D, NG, BITS)
-    o6 = _slice_output(acc6, 6, z0, z1, z2, z3, D, NG, BITS)
-    o7 = _slice_output(acc7, 7, z0, z1, z2, z3, D, NG, BITS)
+    o0 = _slice_output(acc0, 0, z0, z1, z2, z3, unit, D, NG, BITS)
+    o1 = _slice_output(acc1, 1, z0, z1, z2, z3, unit, D, NG, BITS)
+    o2 = _slice_output(acc2, 2, z0, z1, z2, z3, unit, D, NG, BITS)
+    o3 = _slice_output(acc3, 3, z0, z1, z2, z3, unit, D, NG, BITS)
+    o4 = _slice_output(acc4, 4, z0, z1, z2, z3, unit, D, NG, BITS)
+    o5 = _slice_output(acc5, 5, z0, z1, z2, z3, unit, D, NG, BITS)
+    o6 = _slice_output(acc6, 6, z0, z1, z2, z3, unit, D, NG, BITS)
+    o7 = _slice_output(acc7, 7, z0, z1, z2, z3, unit, D, NG, BITS)
     if BITS == 2:  # slice s: quarter s % 4, parity s // 4
         return _interleave(o0, o4), _interleave(o1, o5), _interleave(o2, o6), _interleave(o3, o7)
     else:  # slice s = 4c + p: quarter c + 2·(p % 2), parity p // 2
@@ -420,12 +501,13 @@ def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.c
 
 
 @triton.jit
-def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0,
-                  P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
+def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, kappa,
+                  P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr):
     """Online-softmax step over one page of quantized values. The accumulators a_i hold
-    Σ p·s·c in units of 2^-24 and z_g holds Σ p·s·z, so that the output is a·2^24 - z."""
+    Σ p·s·c in units of 2^-24 (LLOYD: Σ p·s·(c + kappa·b1)) and z_g holds Σ p·s·z, so that the output
+    is a·unit - z (`_group_scores`)."""
     m_new, p, alpha, l = _softmax_weights(s, visible, m, l)
-    v0, v1, v2, v3 = _page_codes(vc_ptr, row0, P, D, BITS)
+    v0, v1, v2, v3, b0, b1, b2, b3 = _page_codes(vc_ptr, row0, P, D, BITS, LLOYD)
     w0, z0 = _weighted_codes(p, alpha, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
     if NG == 1:
         w1, w2, w3 = w0, w0, w0
@@ -437,10 +519,10 @@ def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_p
         w1, z1 = _weighted_codes(p, alpha, z1, vs_ptr, vz_ptr, row0, 1, NG, P)
         w2, z2 = _weighted_codes(p, alpha, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
         w3, z3 = _weighted_codes(p, alpha, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
-    a0 = tl.dot(w0, v0, a0 * alpha[:, None])
-    a1 = tl.dot(w1, v1, a1 * alpha[:, None])
-    a2 = tl.dot(w2, v2, a2 * alpha[:, None])
-    a3 = tl.dot(w3, v3, a3 * alpha[:, None])
+    a0 = _lloyd_dot(w0, v0, b0, _times(w0, kappa, LLOYD), a0 * alpha[:, None], LLOYD)
+    a1 = _lloyd_dot(w1, v1, b1, _times(w1, kappa, LLOYD), a1 * alpha[:, None], LLOYD)
+    a2 = _lloyd_dot(w2, v2, b2, _times(w2, kappa, LLOYD), a2 * alpha[:, None], LLOYD)
+    a3 = _lloyd_dot(w3, v3, b3, _times(w3, kappa, LLOYD), a3 * alpha[:, None], LLOYD)
     return m_new, l, a0, a1, a2, a3, z0, z1, z2, z3
 
 
@@ -531,12 +613,13 @@ def _paged_attention_kernel(
         slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
         sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
-        qk_scale, window, shift_ptr, num_blocks,
+        qk_scale, window, shift_ptr, num_blocks, k_kappa, k_unit, v_kappa, v_unit,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
         V_BITS: tl.constexpr, P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
         REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
-        SHIFT_BLOCK: tl.constexpr = 1, OVERLAP: tl.constexpr = 0):
+        SHIFT_BLOCK: tl.constexpr = 1, OVERLAP: tl.constexpr = 0, K_LLOYD: tl.constexpr = False,
+        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True):
     """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
     block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
     WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
@@ -544,7 +627,13 @@ def _paged_attention_kernel(
 
     OVERLAP (programmatic dependent launch, see `launch_attention`): 1 lets the next launch start
     at once; 2 also waits, before the program ends, for the launch before it to finish, so that
-    this launch finishing implies that both have."""
+    this launch finishing implies that both have.
+
+    PART_PAGE: some sequence's history may end part-way into its last page (see hist_limit below);
+    the launcher passes False for steps of at most recent_tokens new tokens, where it cannot.
+
+    K_LLOYD, V_LLOYD: the INT2 keys / values use Lloyd–Max levels, level(c) = 3a·(c + kappa·b1), with
+    k_kappa = kappa and k_unit = 3a·2^24 for the keys (v_ for the values; see `_lloyd_dot`)."""
     if OVERLAP >= 1:
         _gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -584,7 +673,12 @@ def _paged_attention_kernel(
     a3 = tl.zeros([BLOCK_M, W], tl.float32)
 
     end_new = _history_end(old + count, S, R, P)
-    history_pages = tl.maximum(tl.minimum(old, end_new) - S, 0) // P  # the history is whole pages
+    # The stored tokens this step reads from the history: those before min(old, end_new) (the step's
+    # own tokens come from k_new). A step longer than the recent window can end the history part-way
+    # into a page whose other rows it fills itself: that page is read up to hist_limit. (end_new <=
+    # old + count - R, so with count <= R the limit is end_new, a page edge.)
+    hist_limit = tl.minimum(old, end_new)
+    history_pages = tl.cdiv(tl.maximum(hist_limit - S, 0), P)
     PAGE_SPLITS: tl.constexpr = NUM_SPLITS - WS if NUM_SPLITS > 1 else 1
     if has_history and SLICED:
         qs0, qsum0 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 0, D, K_BITS)
@@ -607,6 +701,14 @@ def _paged_attention_kernel(
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, K_BITS)
+        qk0 = _times(qs0, k_kappa * 0.5, K_LLOYD)  # the high bits read as 2·b1
+        qk1 = _times(qs1, k_kappa * 0.5, K_LLOYD)
+        qk2 = _times(qs2, k_kappa * 0.5, K_LLOYD)
+        qk3 = _times(qs3, k_kappa * 0.5, K_LLOYD)
+        qk4 = _times(qs4, k_kappa * 0.5, K_LLOYD)
+        qk5 = _times(qs5, k_kappa * 0.5, K_LLOYD)
+        qk6 = _times(qs6, k_kappa * 0.5, K_LLOYD)
+        qk7 = _times(qs7, k_kappa * 0.5, K_LLOYD)
         U: tl.constexpr = D // 8
         acc0 = tl.zeros([BLOCK_M, U], tl.float32)
         acc1 = tl.zeros([BLOCK_M, U], tl.float32)
@@ -631,23 +733,28 @@ def _paged_attention_kernel(
             page_ok = (page >= 0) & (page < num_pages)
             row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P
             kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, K_BITS, ASM)
-            s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, g0, g1, g2, g3, kw0, kw1, kh0, kh1,
-                               ks_ptr, kz_ptr, row0, P, D, NG, K_BITS, ASM)
+            s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, qk4, qk5, qk6, qk7,
+                               g0, g1, g2, g3, _unit(k_unit, K_LLOYD), kw0, kw1, kh0, kh1, ks_ptr, kz_ptr, row0,
+                               P, D, NG, K_BITS, ASM, K_LLOYD)
             if KEY_SHIFTS:
                 s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None]
             # Padding rows have zero queries, so finite scores; their outputs are never stored. A page
-            # id out of range was read as page 0 and is masked here. Without a window the mask is
-            # one scalar bias: a [BLOCK_M, P] mask tile costs ~140 instructions per page.
+            # id out of range was read as page 0 and is masked here, as are rows at or after hist_limit.
+            # Without a window the mask is one bias per key: a [BLOCK_M, P] mask tile costs ~140
+            # instructions per page.
+            hist_pos = S + index * P + tl.arange(0, P)
             if window > 0:
-                hist_pos = S + index * P + tl.arange(0, P)
-                s = tl.where(page_ok & (query_pos[:, None] - hist_pos[None, :] < window), s, float("-inf"))
-            else:
+                s = tl.where(page_ok & (hist_pos < hist_limit)[None, :] & (query_pos[:, None] - hist_pos[None, :] < window),
+                             s, float("-inf"))
+            elif PART_PAGE:
+                s += tl.where(page_ok & (hist_pos < hist_limit), 0.0, float("-inf"))[None, :]
+            else:  # one scalar bias: the per-key one costs 4% at 32x32K on the H100
                 s += tl.where(page_ok, 0.0, float("-inf"))
             m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
                 s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                vc_ptr, vs_ptr, vz_ptr, row0, P, D, NG, V_BITS, ASM)
+                vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, P, D, NG, V_BITS, ASM, V_LLOYD)
         a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, tl.max(z0, 1),
-                                          tl.max(z1, 1), tl.max(z2, 1), tl.max(z3, 1),
+                                          tl.max(z1, 1), tl.max(z2, 1), tl.max(z3, 1), _unit(v_unit, V_LLOYD),
                                           D, NG, V_BITS)
     elif has_history:
         # Sums of the rounded query quarters, for the zero points (see _group_scores).
@@ -655,6 +762,10 @@ def _paged_attention_kernel(
         qs1 = tl.sum(q1.to(tl.float32), 1)
         qs2 = tl.sum(q2.to(tl.float32), 1)
         qs3 = tl.sum(q3.to(tl.float32), 1)
+        qk0 = _times(q0, k_kappa, K_LLOYD)
+        qk1 = _times(q1, k_kappa, K_LLOYD)
+        qk2 = _times(q2, k_kappa, K_LLOYD)
+        qk3 = _times(q3, k_kappa, K_LLOYD)
         z0 = tl.zeros([BLOCK_M], tl.float32)
         z1 = tl.zeros([BLOCK_M], tl.float32)
         z2 = tl.zeros([BLOCK_M], tl.float32)
@@ -671,21 +782,23 @@ def _paged_attention_kernel(
             page = tl.load(bt_row + index // PARTS)
             page_ok = (page >= 0) & (page < num_pages)
             row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P + (index % PARTS) * KEYS
-            s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc_ptr, ks_ptr, kz_ptr, row0, KEYS, D, NG,
-                                K_BITS)
+            s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, _unit(k_unit, K_LLOYD),
+                                kc_ptr, ks_ptr, kz_ptr, row0, KEYS, D, NG, K_BITS, K_LLOYD)
             if KEY_SHIFTS:
                 s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index // PARTS, S, P, SHIFT_BLOCK)[:, None]
             hist_pos = S + index * KEYS + tl.arange(0, KEYS)
-            visible = page_ok & row_valid[:, None] & (hist_pos >= 0)[None, :]
+            visible = page_ok & row_valid[:, None] & (hist_pos < hist_limit)[None, :]
             if window > 0:
                 visible = visible & (query_pos[:, None] - hist_pos[None, :] < window)
             m, l, a0, a1, a2, a3, z0, z1, z2, z3 = _history_step(
-                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, KEYS, D, NG, V_BITS)
+                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, v_kappa, KEYS, D, NG,
+                V_BITS, V_LLOYD)
         # Back to plain units for the full-precision regions below and the output.
-        a0 = a0 * UNIT_INV - z0[:, None]
-        a1 = a1 * UNIT_INV - z1[:, None]
-        a2 = a2 * UNIT_INV - z2[:, None]
-        a3 = a3 * UNIT_INV - z3[:, None]
+        v_units = _unit(v_unit, V_LLOYD)
+        a0 = a0 * v_units - z0[:, None]
+        a1 = a1 * v_units - z1[:, None]
+        a2 = a2 * v_units - z2[:, None]
+        a3 = a3 * v_units - z3[:, None]
 
     if split < WS and REGIONS != 1:
         head_row = slot.to(tl.int64) * HKV + h
@@ -817,14 +930,17 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
             layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
             scale * LOG2E, window,
             *((score_shift_terms(layer, q, scale), layer.key_shifts.shape[0]) if layer.key_shifts is not None
-              else (q, 1)))
+              else (q, 1)),
+            *lloyd_factors(lay.key_inner), *lloyd_factors(lay.value_inner))
     cuda = q.device.type == "cuda"
     shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, K_BITS=lay.key_bits, V_BITS=lay.value_bits,
                  P=lay.page_size, S=lay.sink_tokens,
                  R=lay.recent_tokens, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
                  SINK_BLOCK=max(16, triton.next_power_of_2(max(lay.sink_tokens, 1))), ASM=cuda,
                  WINDOW_SPLITS=window_splits if num_splits > window_splits else 1,
-                 KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1))
+                 KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1),
+                 K_LLOYD=lay.key_inner is not None, V_LLOYD=lay.value_inner is not None,
+                 PART_PAGE=batch.max_new > lay.recent_tokens)
     overlap = num_splits > 1 and separate_windows and cuda and (
         overlap if overlap is not None else programmatic_launch_supported(q.device.index or 0))
     if num_splits > 1 and separate_windows:
@@ -845,6 +961,13 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         _combine_kernel[(rows,)](part_o, part_lse, out, D=d, NUM_SPLITS=num_splits,
                                  SPLIT_BLOCK=triton.next_power_of_2(num_splits), WAIT=overlap,
                                  **_programmatic(overlap))
+
+
+def lloyd_factors(inner: float | None) -> tuple[float, float]:
+    """(kappa, 3a·2^24) of a stream's Lloyd–Max levels (`quant.format`); unused (0, 2^24) for uniform codes."""
+    if inner is None:
+        return 0.0, 2.0**24
+    return (3.0 - 9.0 * inner) / (3.0 * inner), 3.0 * inner * 2.0**24
 
 
 def _programmatic(overlap: bool) -> dict:

@@ -182,9 +182,20 @@ def _codes(x, scale, zero, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, zero_ptr,
-                    HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
-    """Quantize (clipped) rows given as quarters x0..x3 [BLOCK_T, D/4] (float32) into (page, row) of head h."""
+def _lloyd_codes(x, scale, zero, low, high):
+    """INT2 codes at Lloyd–Max levels: [u >= low] + [u >= 1.5] + [u >= high], u = x·(1/s) + z rounded as
+    in `_codes` (`quant.format.quantize`; low, high: `inner_thresholds`)."""
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    u = x * inverse[:, None] + zero[:, None]
+    return (u >= low).to(tl.int32) + (u >= 1.5).to(tl.int32) + (u >= high).to(tl.int32)
+
+
+@triton.jit
+def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, zero_ptr, low, high,
+                    HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                    LLOYD: tl.constexpr):
+    """Quantize (clipped) rows given as quarters x0..x3 [BLOCK_T, D/4] (float32) into (page, row) of head h.
+    LLOYD: INT2 codes at Lloyd–Max levels with thresholds low, 1.5, high (else uniform rounding)."""
     W: tl.constexpr = D // 4
     LEVELS: tl.constexpr = (1 << BITS) - 1
     cols = tl.arange(0, W)
@@ -194,10 +205,16 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
     s1, z1 = _scale_zero(lo1, hi1, LEVELS)
     s2, z2 = _scale_zero(lo2, hi2, LEVELS)
     s3, z3 = _scale_zero(lo3, hi3, LEVELS)
-    c0 = _codes(x0, s0, z0, LEVELS)
-    c1 = _codes(x1, s1, z1, LEVELS)
-    c2 = _codes(x2, s2, z2, LEVELS)
-    c3 = _codes(x3, s3, z3, LEVELS)
+    if LLOYD:
+        c0 = _lloyd_codes(x0, s0, z0, low, high)
+        c1 = _lloyd_codes(x1, s1, z1, low, high)
+        c2 = _lloyd_codes(x2, s2, z2, low, high)
+        c3 = _lloyd_codes(x3, s3, z3, low, high)
+    else:
+        c0 = _codes(x0, s0, z0, LEVELS)
+        c1 = _codes(x1, s1, z1, LEVELS)
+        c2 = _codes(x2, s2, z2, LEVELS)
+        c3 = _codes(x3, s3, z3, LEVELS)
     base = (page.to(tl.int64) * HKV + h) * P + row  # [BLOCK_T] row index into the page arrays
     code_row = codes_ptr + base[:, None] * (D * BITS // 8) + cols[None, :]
     if BITS == 2:
@@ -223,15 +240,18 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
 
 @triton.jit
 def _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h,
-                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high,
                        HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
-                       V_BITS: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr):
+                       V_BITS: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
+                       K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr):
     """Clip keys and values at their order statistics, quantize and store both into (page, row) of head h."""
     k_threshold, v_threshold = _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, CLIP_K, CLIP_V, SHIFT)
     k0, k1, k2, k3 = _clip(k0, k1, k2, k3, k_threshold, CLIP_K)
-    _quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, NG, K_BITS)
+    _quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high, HKV, P, D, NG,
+                    K_BITS, K_LLOYD)
     v0, v1, v2, v3 = _clip(v0, v1, v2, v3, v_threshold, CLIP_V)
-    _quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, V_BITS)
+    _quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high, HKV, P, D, NG,
+                    V_BITS, V_LLOYD)
 
 
 @triton.jit
@@ -319,10 +339,12 @@ def _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h, wind
 @triton.jit
 def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
+                  k_low, k_high, v_low, v_high,
                   HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
-                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr):
+                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr = False,
+                  V_LLOYD: tl.constexpr = False):
     b = tl.program_id(0)
     block = tl.program_id(1)
     h = tl.program_id(2)
@@ -343,7 +365,8 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
         k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
                                           ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
     _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr,
-                       vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, K_BITS, V_BITS, CLIP_K, CLIP_V, SHIFT)
+                       vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
+                       CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD)
 
 
 @triton.jit
@@ -382,11 +405,13 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                   slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
+                  k_low, k_high, v_low, v_high,
                   HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
                   ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
-                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, BF16_DOTS: tl.constexpr = True):
+                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, BF16_DOTS: tl.constexpr = True,
+                  K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False):
     """ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
     the pieces of R_K at pieces_ptr (`_rotate_by_pieces`). rot_head_stride is 0 for one R_K per
     layer and the elements between two KV heads' matrices (rot_ptr or pieces_ptr) for one per head."""
@@ -460,7 +485,16 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
             k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, in_history, h,
                                               window_dtype, HKV, D, S, P, SHIFT_BLOCK)
         _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr,
-                           vc_ptr, vs_ptr, vz_ptr, HKV, P, D, NG, K_BITS, V_BITS, CLIP_K, CLIP_V, SHIFT)
+                           vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
+                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD)
+
+
+def lloyd_thresholds(inner: float | None) -> tuple[float, float]:
+    """(low, high) decision thresholds of a stream's INT2 codes (`quant.format.inner_thresholds`);
+    unused (0, 0) for the uniform grid."""
+    from ..quant.format import inner_thresholds
+
+    return inner_thresholds(inner) if inner is not None else (0.0, 0.0)
 
 
 def clip_rank(clip_ratio: float, head_dim: int) -> int:
@@ -491,8 +525,10 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                   R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d),
                   SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=block_tokens,
                   KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1),
+                  K_LLOYD=lay.key_inner is not None, V_LLOYD=lay.value_inner is not None,
                   enable_fp_fusion=False)  # the quantizer rounds x·(1/s) and + z apart, as the reference
     shifts = (layer.key_shifts, layer.key_shifts.shape[0]) if layer.key_shifts is not None else (k, 1)
+    tail = (*shifts, *lloyd_thresholds(lay.key_inner), *lloyd_thresholds(lay.value_inner))  # the last arguments
     b = batch.batch
     if b == 0:
         return
@@ -500,7 +536,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
     flush_grid = (b, triton.cdiv(lay.ring_capacity, block_tokens), lay.kv_heads)
     _flush_kernel[flush_grid](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                              *pages, layer.ring_k, layer.ring_v, *shifts, **common)
+                              *pages, layer.ring_k, layer.ring_v, *tail, **common)
     if batch.max_new == 0:
         return
     # Long steps (prompts) with D <= 128 take blocks of 64 tokens: a quarter of the programs, each
@@ -520,7 +556,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                               mean if mean is not None else k,
                               pieces.pieces if pieces is not None else k, mean_rotated,
                               batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                              *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *shifts,
+                              *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
                               ROTATE=rotate, CENTER=mean is not None,
                               BF16_DOTS=not interpreting(),
                               **dict(common, BLOCK_T=write_block))

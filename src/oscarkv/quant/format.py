@@ -19,6 +19,19 @@ channels j + i·D/n for i = 0..n-1, in bits i·b .. i·b+b-1. For INT2 that is c
 j, j + D/4, j + D/2, j + 3D/4; for INT4, j (low nibble) and j + D/2 (high nibble). A kernel
 unpacks a row into n contiguous vectors with one shift and mask each, which keeps every
 load and every dot product contiguous; no interleave shuffle is needed.
+
+Lloyd–Max levels (OSCAR+, INT2 only; `inner`). The uniform grid reads code c back at
+t = c/3 of the group's range. A bell-shaped group is better served by levels t = 0, a,
+1 - a, 1 with a > 1/3 (the two inner levels move outwards). Scale and zero are the same; in
+code units u = x/scale + zero (0 at the minimum, 3 at the maximum) the levels are
+0, 3a, 3 - 3a, 3 and each element takes the nearest:
+
+    q     = [u >= 1.5a] + [u >= 1.5] + [u >= 3 - 1.5a]
+    x_hat = (level(q) - zero) * scale,  level(q) = 3a·(q + kappa·b1),  kappa = (3 - 9a) / (3a)
+
+with b1 the high bit of q: the levels are linear in the two bits of the code, which is what
+lets the attention kernels keep reading raw codes (one more masked dot per slice). inner =
+None is the uniform grid (a = 1/3 gives the same codes and values).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import torch
 from ..errors import OscarError
 
 SUPPORTED_BITS = (2, 4)
+INNER_RANGE = (0.25, 0.45)  # Lloyd–Max inner level a accepted (1/3 is the uniform grid)
 MIN_RANGE = 1e-8
 ZERO_LIMIT_INV = 2.0**-15  # keeps |zero| <= 2^15, finite in float16
 
@@ -48,6 +62,7 @@ class QuantizedTensor:
     group_size: int
     dtype: torch.dtype
     bits: int = 2
+    inner: float | None = None  # Lloyd–Max inner level a (INT2); None: the uniform grid
 
     @property
     def head_dim(self) -> int:
@@ -80,6 +95,32 @@ def _check_shape(head_dim: int, group_size: int, bits: int = 2) -> None:
             f"group_size={group_size} does not divide head_dim={head_dim}; "
             f"choose a divisor of {head_dim} (e.g. {min(head_dim, 64)})."
         )
+
+
+def check_inner(inner: float | None, bits: int = 2) -> None:
+    """Raises OscarError unless `inner` is None or a Lloyd–Max inner level the format supports."""
+    if inner is None:
+        return
+    if bits != 2:
+        raise OscarError(f"Lloyd–Max levels (inner={inner}) exist for INT2 codes only, not {bits}-bit ones.")
+    lo, hi = INNER_RANGE
+    if not lo <= float(inner) <= hi:
+        raise OscarError(f"inner level {inner} is outside [{lo}, {hi}]; 1/3 is the uniform grid.")
+
+
+def inner_thresholds(inner: float) -> tuple[float, float]:
+    """The outer decision thresholds 1.5a and 3 - 1.5a (code units) as float32 numbers, so that the
+    reference and the write kernel (which takes them as float32 arguments) compare against the
+    same values; the middle one is 1.5."""
+    t = torch.tensor([1.5 * inner, 3.0 - 1.5 * inner], dtype=torch.float32)
+    return float(t[0]), float(t[1])
+
+
+def inner_levels(inner: float | None) -> torch.Tensor:
+    """The four INT2 levels in code units, float32: 0, 3a, 3 - 3a, 3 (uniform: 0, 1, 2, 3)."""
+    if inner is None:
+        return torch.arange(4, dtype=torch.float32)
+    return torch.tensor([0.0, 3.0 * inner, 3.0 - 3.0 * inner, 3.0], dtype=torch.float32)
 
 
 def clip_rows(x: torch.Tensor, clip_ratio: float) -> torch.Tensor:
@@ -132,16 +173,18 @@ def quantize(
     group_size: int = 128,
     clip_ratio: float = 0.0,
     scale_dtype: torch.dtype = torch.float16,
+    inner: float | None = None,
 ) -> QuantizedTensor:
     """Quantize the last dimension of x to asymmetric `bits`-bit codes per group of channels.
 
     x: [..., D] floating point. Returns a `QuantizedTensor` with packed [..., D·bits/8] and
-    scale/zero [..., D/group_size].
+    scale/zero [..., D/group_size]. inner: Lloyd–Max inner level (INT2; see the module doc).
     """
     if not x.is_floating_point():
         raise OscarError(f"quantize expects a floating-point tensor, got {x.dtype}.")
     d = x.shape[-1]
     _check_shape(d, group_size, bits)
+    check_inner(inner, bits)
     levels = (1 << bits) - 1
     xf = clip_rows(x.float(), clip_ratio)
     groups = xf.reshape(*xf.shape[:-1], d // group_size, group_size)
@@ -155,14 +198,20 @@ def quantize(
     # x·(1/s), not x/s: one division per group, then a multiply per element (as the write kernel);
     # each operation rounds to float32 on its own (the kernel runs without fused multiply-adds).
     inverse = 1.0 / scale.float()
-    codes = torch.floor(groups * inverse.unsqueeze(-1) + zero.float().unsqueeze(-1) + 0.5)
-    codes = codes.clamp(0, levels).to(torch.uint8).reshape(*xf.shape[:-1], d)
-    return QuantizedTensor(pack_codes(codes, bits), scale, zero, group_size, x.dtype, bits)
+    units = groups * inverse.unsqueeze(-1) + zero.float().unsqueeze(-1)
+    if inner is None:
+        codes = torch.floor(units + 0.5).clamp(0, levels)
+    else:
+        low, high = inner_thresholds(inner)
+        codes = (units >= low).to(torch.uint8) + (units >= 1.5).to(torch.uint8) + (units >= high).to(torch.uint8)
+    codes = codes.to(torch.uint8).reshape(*xf.shape[:-1], d)
+    return QuantizedTensor(pack_codes(codes, bits), scale, zero, group_size, x.dtype, bits, inner)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """QuantizedTensor -> tensor [..., D] in `dtype` (default: the dtype that was quantized)."""
-    codes = unpack_codes(q.packed, q.bits).float()
+    codes = unpack_codes(q.packed, q.bits)
+    codes = codes.float() if q.inner is None else inner_levels(q.inner).to(codes.device)[codes.long()]
     d = codes.shape[-1]
     groups = codes.reshape(*codes.shape[:-1], d // q.group_size, q.group_size)
     x = (groups - q.zero.float().unsqueeze(-1)) * q.scale.float().unsqueeze(-1)
