@@ -193,3 +193,12 @@ def test_lloyd_max_levels_are_checked(bits, inner, match):
 
     with pytest.raises(OscarError, match=match):
         quantize(torch.randn(2, 64), bits, 64, inner=inner)
+
+
+def test_lloyd_max_levels_are_linear_in_the_code_bits():
+    """level(q) = 3a·(q + kappa·b1), the form the attention kernels compute with raw codes."""
+    from oscarkv.quant.format import inner_kappa, inner_levels
+
+    for a in (0.35, 0.38, 0.41):
+        q = torch.arange(4, dtype=torch.float32)
+        torch.testing.assert_close(3 * a * (q + inner_kappa(a) * (q >= 2).float()), inner_levels(a))

@@ -71,7 +71,7 @@ class HistoryStore:
                  plain_dtype: torch.dtype, bits: int = 2, inner: float | None = None) -> None:
         self.quantize = quantize
         self.bits = bits
-        self.inner = inner if bits == 2 else None
+        self.inner = inner
         self.group_size = group_size
         self.clip_ratio = clip_ratio
         self.scale_dtype = scale_dtype

@@ -76,18 +76,19 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     for d, group, key_bits, value_bits, hq, hkv, page, sink, recent in configs:
         shape = dict(D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink, R=recent,
                      K_LLOYD=False, V_LLOYD=False)
-        jobs = []
         # prefill; decode history, windows; decode history with key_centering="rope" shifts. Decode
         # launches overlap (programmatic dependent launch) from sm_90: history first, windows second.
         pdl = arch >= 90
-        for splits, regions, windows, shifted in ((1, 0, 1, False), (17, 1, 4, False), (17, 2, 4, False),
-                                                  (17, 1, 4, True)):
+
+        def attention(splits: int, regions: int, windows: int, shifted: bool = False, **extra):
             overlap = 0 if regions == 0 or not pdl else regions
-            jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
-                         dict(shape, PART_PAGE=regions == 0, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
-                              SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
-                              WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, OVERLAP=overlap),
-                         dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
+            return (triton_attention._paged_attention_kernel, ATTENTION_TYPES,
+                    dict(shape, PART_PAGE=regions == 0, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
+                         SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
+                         WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, OVERLAP=overlap, **extra),
+                    dict(num_warps=1 if regions == 1 else 4, num_stages=2))
+
+        jobs = [attention(*job) for job in ((1, 0, 1), (17, 1, 4), (17, 2, 4), (17, 1, 4, True))]
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024)
         # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)
@@ -107,13 +108,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                          unfused))
         if key_bits == value_bits == 2:  # Lloyd–Max levels: prefill, decode history, prompt write, flush
             lloyd = dict(K_LLOYD=True, V_LLOYD=True)
-            for splits, regions in ((1, 0), (17, 1)):
-                jobs.append((triton_attention._paged_attention_kernel, ATTENTION_TYPES,
-                             dict(shape, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
-                                  SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
-                                  WINDOW_SPLITS=4, KEY_SHIFTS=False, SHIFT_BLOCK=1024,
-                                  OVERLAP=regions if pdl else 0, PART_PAGE=regions == 0, **lloyd),
-                             dict(num_warps=1 if regions == 1 else 4, num_stages=2)))
+            jobs += [attention(1, 0, 1, **lloyd), attention(17, 1, 4, **lloyd)]
             jobs.append((triton_write._write_kernel, WRITE_TYPES,
                          dict(write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, BF16_DOTS=True, **lloyd), unfused))
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), unfused))

@@ -965,9 +965,11 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
 
 def lloyd_factors(inner: float | None) -> tuple[float, float]:
     """(kappa, 3a·2^24) of a stream's Lloyd–Max levels (`quant.format`); unused (0, 2^24) for uniform codes."""
+    from ..quant.format import inner_kappa
+
     if inner is None:
         return 0.0, 2.0**24
-    return (3.0 - 9.0 * inner) / (3.0 * inner), 3.0 * inner * 2.0**24
+    return inner_kappa(inner), 3.0 * inner * 2.0**24
 
 
 def _programmatic(overlap: bool) -> dict:

@@ -116,6 +116,11 @@ def inner_thresholds(inner: float) -> tuple[float, float]:
     return float(t[0]), float(t[1])
 
 
+def inner_kappa(inner: float) -> float:
+    """kappa of level(q) = 3a·(q + kappa·b1) (see the module doc): (3 - 9a) / (3a)."""
+    return (3.0 - 9.0 * inner) / (3.0 * inner)
+
+
 def inner_levels(inner: float | None) -> torch.Tensor:
     """The four INT2 levels in code units, float32: 0, 3a, 3 - 3a, 3 (uniform: 0, 1, 2, 3)."""
     if inner is None:
