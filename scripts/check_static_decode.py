@@ -58,7 +58,7 @@ def profile(model, prompt, steps: int = 8) -> None:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         decoder.decode(slots, last, steps)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
 def main() -> None:

@@ -391,7 +391,8 @@ def cmd_bench_decode(args) -> int:
         from .benchmarks.decode import Settings, run
 
         settings = Settings(args.model, tuple(_ints(args.contexts)), args.batch, tuple(_ints(args.batch_contexts)),
-                            not args.no_largest, args.prefill, steps=args.steps)
+                            not args.no_largest, args.prefill, steps=args.steps,
+                            compile_small_ops=not args.eager_small_ops)
         with tqdm(desc="bench decode", bar_format="{desc}: {elapsed} {postfix}", disable=args.json) as bar:
             results = [run(settings, progress=lambda message: bar.set_postfix_str(message))]
         if args.save:
@@ -617,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-largest", action="store_true", help="skip the runs at the largest batch that fits")
     b.add_argument("--prefill", type=int, default=32768, help="prompt tokens of the prefill timing (0: skip)")
     b.add_argument("--steps", type=int, default=128, help="decode steps timed per run")
+    b.add_argument("--eager-small-ops", action="store_true",
+                   help="run the norms, MLPs and rotary embedding as eager PyTorch in the decode steps "
+                        "(default: compiled by torch.compile, CacheConfig.compile_small_ops)")
     b.add_argument("--save", default=None, help="write the results to this JSON file")
     b.add_argument("--plot", default=None, help="write the tokens/s vs context plot to this PNG")
     b.add_argument("--from-json", nargs="+", default=None,

@@ -88,6 +88,9 @@ class CacheConfig:
     static_decode: on CUDA, a patched model's `generate` runs plain greedy decoding of an unpadded
         batch through the static decode path (one CUDA graph per step; see
         `oscarkv.integrations.static_decode`); False keeps transformers' own loop.
+    compile_small_ops: the static decode path (CUDA) runs the model's norms, MLPs and rotary
+        embedding compiled by torch.compile, a few fused kernels instead of about forty small
+        ones per layer (`oscarkv.integrations.fused_ops`); False runs them as eager PyTorch.
     key_centering: how the keys of a centered artifact (SPEC §6) are centered. "fixed": every key
         minus μ_K, the mean calibration measured at positions [0, chunk). "rope": a history key
         at position p is centered by R(o)·μ_K instead, the same mean turned by RoPE to its block
@@ -109,6 +112,7 @@ class CacheConfig:
     max_context: int | None = None
     key_grouping: str = "token"
     static_decode: bool = True
+    compile_small_ops: bool = True
     history_format: str = "int"
     key_centering: str = "auto"
 

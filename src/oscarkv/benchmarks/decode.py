@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..config import CacheConfig
 from ..errors import OscarError
 from ..integrations.slots import DenseSlotCache, PagedSlotCache
 from ..integrations.static_decode import StaticDecoder, forward_slots, slot_cache_for
@@ -75,6 +76,7 @@ class Settings:
     bits_context: int = 131072
     steps: int = 128
     memory_margin_gib: float = 6.0
+    compile_small_ops: bool = True  # CacheConfig.compile_small_ops of both caches' static steps
 
 
 def weight_bytes(model) -> int:
@@ -144,16 +146,18 @@ def fill(cache, slots: list[int], context: int, chunk_tokens: int = 65536, seed:
     cache.set_batch(slots)
 
 
-def _patch(model, name: str) -> None:
+def _patch(model, name: str, compile_small_ops: bool = True) -> None:
     import oscarkv
 
-    oscarkv.patch(model, method=METHODS[name])
+    oscarkv.patch(model, method=METHODS[name], cache=CacheConfig(compile_small_ops=compile_small_ops))
 
 
-def decode_run(model, name: str, batch: int, context: int, steps: int, weights: int, bandwidth_gbs: float) -> DecodeRun:
-    """Fill a fresh cache of `batch` slots to `context` tokens, then time `steps` graph-replayed steps."""
+def decode_run(model, name: str, batch: int, context: int, steps: int, weights: int, bandwidth_gbs: float,
+               compile_small_ops: bool = True) -> DecodeRun:
+    """Fill a fresh cache of `batch` slots to `context` tokens, then time `steps` graph-replayed steps
+    (compile_small_ops: the static steps' norms, MLPs and rotary embedding compiled, the default)."""
     release_memory()  # the previous run's cache, now garbage
-    _patch(model, name)
+    _patch(model, name, compile_small_ops)
     warmup = 2
     total = context + warmup + steps + 1
     cache = slot_cache_for(model, batch, total)
@@ -251,8 +255,8 @@ def run(settings: Settings, progress=None) -> dict:
         for name, batch in batches.items():
             say(f"{name} batch {batch} x {context} tokens")
             try:
-                runs[name] = asdict(decode_run(model, name, batch, context, settings.steps, weights, bandwidth)) \
-                    if batch else None
+                runs[name] = asdict(decode_run(model, name, batch, context, settings.steps, weights, bandwidth,
+                                               settings.compile_small_ops)) if batch else None
             except torch.OutOfMemoryError as exc:  # recorded, and the other runs go on
                 release_memory()
                 runs[name] = None

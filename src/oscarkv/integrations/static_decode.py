@@ -26,6 +26,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..errors import OscarError
+from .fused_ops import compiled_small_ops
 from .slots import DenseSlotCache, PagedSlotCache
 from .transformers import cache_keyword
 
@@ -43,6 +44,13 @@ _GREEDY_CHANGERS = ("num_beams", "repetition_penalty", "no_repeat_ngram_size", "
 # Keyword arguments of generate() that the static path handles itself.
 _STATIC_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
                   "use_cache"}
+
+
+def compiles_small_ops(model) -> bool:
+    """Whether the static steps of this model run its small operations compiled (CUDA only)."""
+    state = getattr(model, "oscar", None)
+    device = next(model.parameters()).device
+    return device.type == "cuda" and state is not None and state.cache.compile_small_ops
 
 
 def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Tensor) -> torch.Tensor:
@@ -88,14 +96,16 @@ class StaticDecoder:
         self.cache.freeze(steps)
         done = 0
         try:
-            eager = steps if not self.graphs else min(steps, self.warmup_steps)
-            for _ in range(eager):
-                self._step(buffers)
-                done += 1
+            with compiled_small_ops(self.model, compiles_small_ops(self.model)):
+                eager = steps if not self.graphs else min(steps, self.warmup_steps)
+                for _ in range(eager):
+                    self._step(buffers)
+                    done += 1
+                if done < steps:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        self._step(buffers)  # recorded, not run: the buffers stay as the eager steps left them
             if done < steps:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._step(buffers)  # recorded, not run: the buffers stay as the eager steps left them
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 replays = steps - done
                 start.record()
@@ -176,9 +186,10 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         self.cache.bind_step(self.slots[:b], self.lengths[:b], self.cu_new[:b + 1])
         try:
-            return self.model(input_ids=self.ids[:b], position_ids=self.positions[:b],
-                              **{cache_keyword(self.model): self.cache},
-                              use_cache=True, logits_to_keep=1).logits[:, -1]
+            with compiled_small_ops(self.model, self.graphs and compiles_small_ops(self.model)):
+                return self.model(input_ids=self.ids[:b], position_ids=self.positions[:b],
+                                  **{cache_keyword(self.model): self.cache},
+                                  use_cache=True, logits_to_keep=1).logits[:, -1]
         finally:
             self.cache.unbind_step()
 
