@@ -94,3 +94,20 @@ def test_static_path_compiles_only_on_cuda_and_when_configured():
         assert compiles_small_ops(model.cuda())
         model.oscar.cache = CacheConfig(compile_small_ops=False)
         assert not compiles_small_ops(model)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_serve_flag_reaches_the_served_model(monkeypatch, eager):
+    """`oscarkv serve --eager-small-ops` serves the model patched with compile_small_ops=False."""
+    import uvicorn
+
+    import oscarkv.models
+    from oscarkv.cli import main
+    from oscarkv.random_models import TokenIdTokenizer
+
+    model = tiny_model("llama", head_dim=128)
+    monkeypatch.setattr(oscarkv.models, "load_model", lambda name, device=None: (model, TokenIdTokenizer(128)))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    assert main(["serve", "tiny", "--method", "hadamard", "--max-seqs", "2"]
+                + (["--eager-small-ops"] if eager else [])) == 0
+    assert model.oscar.cache.compile_small_ops is (not eager)

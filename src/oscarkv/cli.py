@@ -407,6 +407,7 @@ def cmd_bench_decode(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
+    from .config import CacheConfig
     from .models import load_model
     from .serving.api import create_app
     from .serving.build import build_engine
@@ -420,7 +421,8 @@ def cmd_serve(args) -> int:
         4096, getattr(model.config, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
         max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs)
     budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
-    engine = build_engine(model, tokenizer, args.method, args.rotations, config, budget)
+    engine = build_engine(model, tokenizer, args.method, args.rotations, config, budget,
+                          cache=CacheConfig(compile_small_ops=not args.eager_small_ops))
     if model.device.type == "cuda" and not args.no_warm_up:
         started = time.time()
         warmed = engine.warm_up()
@@ -646,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run every decode step eagerly instead of replaying a CUDA graph per batch size")
+    p.add_argument("--eager-small-ops", action="store_true",
+                   help="on CUDA, run the model's norms, MLPs and rotary embedding as eager PyTorch in the decode "
+                        "graphs (default: compiled by torch.compile; eager gives transformers' rounding exactly)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="on CUDA, skip running every batch size once before serving (kernels then compile "
                         "during the first requests)")
