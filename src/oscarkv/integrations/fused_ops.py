@@ -20,9 +20,11 @@ not compiled: they are oscarkv's own kernels.
 
 The static decode path (`oscarkv.integrations.static_decode`) uses it around its decode
 steps when `CacheConfig.compile_small_ops` is on (the default), on CUDA only. Compiled
-kernels may round a few values differently from eager PyTorch (a different reduction
-order), so a logit can move by an ulp; the static-decode tests check that generations
-stay token-equal to transformers' own loop.
+kernels may round a few BF16 values differently from eager PyTorch (the order of a norm's
+sum, exp and rsqrt approximations), so a logit can move by an ulp and a greedy run can part
+from transformers' loop at a near-tie (docs/decode.md); compile_small_ops=False keeps eager
+rounding exactly. The rotary function is swapped in its modeling file, for every model of
+that file in the process, while the block runs.
 """
 
 from __future__ import annotations
