@@ -411,7 +411,43 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "19 kernel configurations compiled for sm_90" in done.stdout
+    assert "20 kernel configurations compiled for sm_90" in done.stdout
+
+
+@pytest.mark.parametrize("head_dim,query_heads,kv_heads,per_head", [(64, 9, 3, False), (64, 9, 3, True),
+                                                                    (128, 32, 8, True), (256, 4, 1, False)])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 17)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_query_rotation_kernel_matches_reference(head_dim, query_heads, kv_heads, per_head, batch, tokens, dtype):
+    """queries [B, Hq, n, D] as transformers hands them (a transposed view) -> q·R_K tokens-major:
+    one rotation, or one per KV head; a block edge of rows (17 = 16 + 1); head_dim 64 to 256."""
+    from oscarkv.kernels.ops import rotate_queries
+
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(batch, tokens, query_heads, head_dim, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    shape = (kv_heads, head_dim, head_dim) if per_head else (head_dim, head_dim)
+    rotation = torch.linalg.qr(torch.randn(*shape, generator=g, dtype=torch.float64))[0].float().to(DEVICE)
+    out = rotate_queries(query, rotation, backend="triton")
+    ref = rotate_queries(query, rotation, backend="torch")
+    assert out.shape == (batch * tokens, query_heads, head_dim) and out.dtype == dtype and out.is_contiguous()
+    # float32 products in another order, then one rounding: a rare element may differ in its last bit
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2.0**-7, atol=1e-3)
+    assert (out != ref).float().mean() < 0.02
+    per_query_head = rotation.double().expand(query_heads, head_dim, head_dim) if not per_head else \
+        rotation.double().repeat_interleave(query_heads // kv_heads, 0)
+    exact = torch.einsum("bhnd,hde->bnhe", query.double(), per_query_head)
+    torch.testing.assert_close(out.double(), exact.reshape(out.shape), rtol=2.0**-7, atol=1e-3)
+
+
+def test_query_rotation_without_rotation_and_bad_shapes():
+    from oscarkv.kernels.ops import rotate_queries
+
+    query = torch.randn(2, 4, 3, 64).transpose(1, 2)  # [B, Hq=3, n=4, D]
+    assert torch.equal(rotate_queries(query, None), query.transpose(1, 2).reshape(8, 3, 64))
+    with pytest.raises(OscarError, match="R_K must be"):
+        rotate_queries(query, torch.eye(32))
+    with pytest.raises(OscarError, match="evenly"):
+        rotate_queries(query, torch.eye(64).expand(2, 64, 64))
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads", [(64, 9, 3), (128, 8, 8), (128, 32, 8), (64, 16, 1)])

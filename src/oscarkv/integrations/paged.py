@@ -24,10 +24,9 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..cache.mixed import LayerSpec
 from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
-from ..calibration.rotations import rotate_heads
 from ..config import CacheConfig
 from ..errors import OscarError
-from ..kernels.ops import attend_step, rotation_pieces, uses_rotation_pieces, write_step
+from ..kernels.ops import attend_step, rotate_queries, rotation_pieces, uses_rotation_pieces, write_step
 
 
 def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int) -> list[PagedLayout]:
@@ -99,18 +98,12 @@ class PagedOscarLayer(AttendingLayer):
         self.length += n
         return self, self
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ R_K (queries [B, Hq, n, D]) in float32, per KV head where R_K is one per KV head."""
-        if self.k_rotation is None:
-            return x.float()
-        return rotate_heads(x.float(), self.k_rotation, head_axis=1)
-
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
         b, hq, n, d = query.shape
         if self.fresh_kv is not None and not (sliding_window and sliding_window < n):
             return causal_attention(query, *self.fresh_kv, scaling)
-        q = self.rotate(query).to(query.dtype).transpose(1, 2).reshape(b * n, hq, d).contiguous()
+        q = rotate_queries(query, self.k_rotation, backend=self.owner.backend)
         out = attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
                           scaling, sliding_window or 0, backend=self.owner.backend,
                           max_context=self.owner.max_context, validate=False)

@@ -34,6 +34,8 @@ DENSE_TYPES = dict(
     slots_ptr="*i64", lengths_ptr="*i64", stride_slot="i64", stride_head="i64", scale_log2="fp32", window="i32")
 SCORE_SHIFT_TYPES = dict(q_ptr=WINDOW, shift_ptr="*fp32", out_ptr="*fp32", qk_scale="fp32", num_blocks="i32")
 COMBINE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=WINDOW)
+ROTATE_TYPES = dict(q_ptr=WINDOW, r_ptr="*fp32", out_ptr=WINDOW, rows="i32", n="i32", stride_b="i32",
+                    stride_h="i32", stride_n="i32")
 
 # (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
 # INT4 fallback, INT4 keys with INT2 values (sliced and plain paths), SmolLM2, Gemma3, INT4 group D/4,
@@ -69,7 +71,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         raise RuntimeError("TRITON_INTERPRET=1 replaces the kernels by interpreted functions; unset it to compile.")
     import triton.language as tl
 
-    from . import triton_attention, triton_dense, triton_write
+    from . import triton_attention, triton_dense, triton_rotate, triton_write
     from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
@@ -119,6 +121,9 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                      {}))
         jobs.append((triton_attention._combine_kernel, COMBINE_TYPES,
                      dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32, WAIT=pdl), {}))
+        jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
+                     dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
+                     dict(num_warps=4)))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

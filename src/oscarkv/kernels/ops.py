@@ -236,6 +236,30 @@ def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_h
     return _window_splits(programs, num_splits - SMALL_BATCH_WINDOW_SPLITS, sms)
 
 
+def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: str = "auto") -> torch.Tensor:
+    """query [B, Hq, n, D] (after RoPE) -> query·R_K as [B·n, Hq, D] in query.dtype: the q of
+    `attend_step`. rotation: float32 [D, D], [Hkv, D, D] (one per KV head), or None (no rotation).
+    One Triton launch on CUDA instead of a cast, a float32 matmul, a cast back and a transpose."""
+    if query.dim() != 4:
+        raise OscarError(f"queries must be [batch, heads, tokens, head_dim], got {tuple(query.shape)}.")
+    b, hq, n, d = query.shape
+    if rotation is not None:
+        if rotation.shape[-2:] != (d, d) or rotation.dim() not in (2, 3):
+            raise OscarError(f"R_K must be [{d}, {d}] or [kv_heads, {d}, {d}], got {tuple(rotation.shape)}.")
+        if rotation.dim() == 3 and hq % rotation.shape[0]:
+            raise OscarError(f"{hq} query heads cannot share {rotation.shape[0]} per-KV-head rotations evenly.")
+    if rotation is None or resolve_backend(backend, query.device) == "torch" or b * n == 0 \
+            or query.dtype not in WINDOW_DTYPES + (torch.float32,) or d & (d - 1) or d < 16:
+        return reference.rotate_queries_reference(query, rotation)
+    from .triton_rotate import launch_rotate_queries
+
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    out = torch.empty(b * n, hq, d, dtype=query.dtype, device=query.device)
+    launch_rotate_queries(query, rotation.float().contiguous(), out)
+    return out
+
+
 def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
                 scale: float, window: int = 0, backend: str = "auto", num_splits: int | None = None,
                 max_context: int | None = None, out: torch.Tensor | None = None,

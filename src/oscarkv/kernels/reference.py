@@ -3,6 +3,7 @@
 Both operate on a `PagedLayer` (see `oscarkv.cache.paged` for where each position lives)
 and a `StepBatch` (which sequences, how many new tokens, how many already stored).
 
+queries:    a step's queries times R_K, tokens-major, for the attention.
 write:      rotate the new keys ((k - μ_K)·R_K, rounded to the window dtype), move the
             ring tokens that age into the history to their pages (the flush), then store
             every new token in its region: sink, ring, or straight into a page. With key
@@ -22,6 +23,14 @@ import torch
 from ..cache.paged import PagedLayer, StepBatch
 from ..calibration.rotations import rotate_heads
 from ..quant.format import QuantizedTensor, dequantize, quantize
+
+
+def rotate_queries_reference(query: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """query [B, Hq, n, D] -> query·R_K (float32 products, rounded to query.dtype) as [B·n, Hq, D],
+    the layout of the attention's queries; rotation None leaves the values as they are."""
+    b, hq, n, d = query.shape
+    rotated = query if rotation is None else rotate_heads(query.float(), rotation.float(), head_axis=1)
+    return rotated.to(query.dtype).transpose(1, 2).reshape(b * n, hq, d).contiguous()
 
 
 def rotate_keys_reference(k: torch.Tensor, rotation: torch.Tensor | None, mean: torch.Tensor | None,
