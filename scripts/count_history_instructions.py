@@ -6,7 +6,7 @@ the installed Triton, disassembles it with Triton's nvdisasm, and counts the ins
 the history loop's label and its backward branch, by opcode. Pointer arguments get the 16-byte
 divisibility that the JIT gives real tensors, so the loads vectorise as they do on the GPU.
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/count_history_instructions.py [--stages 3] [--maxnreg N]
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/count_history_instructions.py [--stages 3] [--maxnreg N] [--row-groups 2]
 
 The count is static: both sides of a branch inside the loop are counted (the sliding-window mask
 and the rare rescale of the accumulators); the branches are listed so they can be subtracted.
@@ -32,10 +32,11 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 
 
-def compile_history_kernel(stages: int, maxnreg: int | None) -> bytes:
+def compile_history_kernel(stages: int, maxnreg: int | None, row_groups: int = 1) -> bytes:
     constexprs = dict(HQ=32, HKV=8, D=128, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256, NUM_SPLITS=17, BLOCK_M=16,
                       BLOCK_N=64, SINK_BLOCK=64, ASM=True, REGIONS=1, WINDOW_SPLITS=4, KEY_SHIFTS=False,
-                      SHIFT_BLOCK=1024, OVERLAP=1)
+                      SHIFT_BLOCK=1024, OVERLAP=1, K_LLOYD=False, V_LLOYD=False, PART_PAGE=False)
+    constexprs["ROW_GROUPS"] = row_groups
     options = dict(num_warps=1, num_stages=stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     kernel = compile_kernel(triton_attention._paged_attention_kernel, ATTENTION_TYPES, constexprs, 90,
                             aligned=True, **options)
@@ -46,11 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--maxnreg", type=int, default=None)
+    parser.add_argument("--row-groups", type=int, default=1, help="pages per softmax step (ROW_GROUPS)")
     args = parser.parse_args()
     tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = pathlib.Path(tmp) / "history.cubin"
-        cubin.write_bytes(compile_history_kernel(args.stages, args.maxnreg))
+        cubin.write_bytes(compile_history_kernel(args.stages, args.maxnreg, args.row_groups))
         sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
                               text=True).stdout.splitlines()
         usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
@@ -60,7 +62,8 @@ def main() -> None:
              if (m := BRANCH.search(line)) and m.group(1) in labels and labels[m.group(1)] < i]
     start, end = max(loops, key=lambda span: span[1] - span[0])  # the history loop is the largest
     ops = collections.Counter(m.group(1) for line in sass[start:end + 1] if (m := INSTRUCTION.match(line)))
-    print(f"Triton {triton.__version__}, sm_90, {args.stages} stages, maxnreg {args.maxnreg}")
+    print(f"Triton {triton.__version__}, sm_90, {args.stages} stages, maxnreg {args.maxnreg}, "
+          f"{args.row_groups} row group(s): the loop reads {args.row_groups} page(s) per iteration")
     print("registers:", re.search(r"REG:(\d+)", usage).group(1))
     print("history loop instructions:", sum(ops.values()))
     print("by opcode:", ", ".join(f"{op} {n}" for op, n in ops.most_common()))

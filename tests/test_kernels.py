@@ -6,13 +6,15 @@ references; after every step their contents and the attention outputs must agree
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from oscarkv.cache.paged import CacheFullError, PagedKVCache, PagedLayout
 from oscarkv.errors import OscarError
-from oscarkv.kernels.ops import (attend_step, check_block_table, resolve_backend, rotation_pieces, triton_available,
-                                 uses_rotation_pieces, write_step)
+from oscarkv.kernels.ops import (attend_step, check_block_table, choose_row_groups, resolve_backend, rotation_pieces,
+                                 triton_available, uses_rotation_pieces, write_step)
 from oscarkv.kernels.reference import stored_kv_reference
 from paged_helpers import PagedRun, random_rotation, random_step
 
@@ -30,7 +32,7 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
            num_splits: int | None = None, window_splits: int | None = None, values=None, key_offset: float = 0.0,
-           **run_options) -> None:
+           row_groups: int | None = None, **run_options) -> None:
     """`values`: a function mapping each random k and v to the values the step writes (default: as drawn);
     key_offset: added to every key (with `mean_offset`, keys near a large μ_K)."""
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
@@ -42,7 +44,7 @@ def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=
             k, v = values(k), values(v)
         k = (k.float() + key_offset).to(dtype)
         out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
-                                               window_splits=window_splits)
+                                               window_splits=window_splits, row_groups=row_groups)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
         # Rotated keys: float32 rotation then one rounding to BF16; the summation order may
         # flip the last bit of a rare element.
@@ -230,6 +232,31 @@ def test_sequence_splits_and_sliding_window(num_splits, head_dim):
     _drive(layout, 4, [[130, 20], [1, 1]], num_splits=num_splits, window=40 if num_splits == 2 else 0)
 
 
+# Decode history splits read several pages per softmax step, one per copy of the query heads (row
+# groups). Splits of 2-6 pages, so that a split's last step can have fewer pages than groups; GQA 8
+# fills the 16 rows with two copies, GQA 6 leaves 4 padding rows; with key shifts and Lloyd–Max
+# levels, and with a sliding window.
+@pytest.mark.parametrize("head_dim,gqa,row_groups,num_splits,extra", [
+    (128, 4, 2, 3, {}), (128, 4, 4, 2, {}), (256, 2, 3, 3, {}), (128, 8, 2, 3, {}), (128, 6, 2, 3, {}),
+    (128, 4, 2, 3, dict(shift_block=40, key_inner=0.37, value_inner=0.39)), (128, 4, 2, 3, dict(window=70))])
+def test_decode_row_groups_match_reference(head_dim, gqa, row_groups, num_splits, extra):
+    extra = dict(extra)
+    lloyd = {name: extra.pop(name) for name in ("key_inner", "value_inner") if name in extra}
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=128, **SMALL, **lloyd)
+    _drive(layout, 2 * gqa, [[180, 100, 47], [1, 1, 1], [1, 1, 0]], num_splits=num_splits, window_splits=1,
+           row_groups=row_groups, **extra)
+
+
+def test_row_groups_only_for_long_decode_splits():
+    layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
+    choose = lambda *a: choose_row_groups(layer, *a)  # noqa: E731 (max_new, query_heads, splits, window splits, context)
+    assert choose(1, 32, 5, 1, 32768) == 2  # 32x32K: 128 pages per history split
+    assert choose(1, 32, 132, 4, 131072) == 1  # 1x128K: 16 pages
+    assert choose(1, 32, 5, 1, 8192) == 1  # 32 pages
+    assert choose(2, 32, 5, 1, 32768) == 1  # not decode
+    assert choose(1, 128, 5, 1, 32768) == 1  # GQA 16: one copy fills the rows
+
+
 def test_decode_windows_shared_by_several_splits():
     """Small-batch decode: the sink, the ring's 2-3 blocks of 64 and the step's token spread over 3
     window splits (every 3rd ring block; sink to the first, the new token to the last), history
@@ -411,7 +438,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "20 kernel configurations compiled for sm_90" in done.stdout
+    assert "21 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads,per_head", [(64, 9, 3, False), (64, 9, 3, True),

@@ -85,12 +85,15 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         def attention(splits: int, regions: int, windows: int, shifted: bool = False, **extra):
             overlap = 0 if regions == 0 or not pdl else regions
             return (triton_attention._paged_attention_kernel, ATTENTION_TYPES,
-                    dict(shape, PART_PAGE=regions == 0, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
-                         SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
-                         WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, OVERLAP=overlap, **extra),
+                    {**dict(shape, PART_PAGE=regions == 0, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
+                            SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
+                            WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, OVERLAP=overlap,
+                            ROW_GROUPS=1), **extra},
                     dict(num_warps=1 if regions == 1 else 4, num_stages=2))
 
         jobs = [attention(*job) for job in ((1, 0, 1), (17, 1, 4), (17, 2, 4), (17, 1, 4, True))]
+        if d >= 128:  # decode history with two pages per softmax step (`ops.choose_row_groups`)
+            jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024)
         # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)

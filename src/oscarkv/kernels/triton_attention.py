@@ -364,16 +364,10 @@ def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, wk0, wk1, wk2, wk3, acc,
 
 
 @triton.jit
-def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                         vc_ptr, vs_ptr, vz_ptr, row0, half_kappa, P: tl.constexpr, D: tl.constexpr,
-                         NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
-    """Online-softmax step over one page of quantized values (sliced path). acc_s holds
-    Σ p·s·c·mult_s in units of 2^-24 (LLOYD: Σ p·s·(c + kappa·b1)·mult_s) and every column of z_g
-    [BLOCK_M, 16] holds Σ p·s·z of group g. s: masked scores. The sums are rescaled only when a
-    row's running max grows."""
-    m_new, p, alpha, l = _softmax_weights(s, None, m, l)
-    v0, v1, vh0, vh1 = _page_words(vc_ptr, row0, P, D, BITS, ASM)
-    if tl.max((m_new > m).to(tl.int32), 0) > 0:  # alpha is exactly 1 on rows whose max held
+def _rescaled(alpha, grew, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, NG: tl.constexpr):
+    """The sliced path's sums times alpha where a row's running max grew (`grew`; alpha is exactly 1
+    on the other rows, so the common case skips the work)."""
+    if grew:
         z0 *= alpha[:, None]
         if NG >= 2:
             z1 *= alpha[:, None]
@@ -388,6 +382,17 @@ def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
         acc5 *= alpha[:, None]
         acc6 *= alpha[:, None]
         acc7 *= alpha[:, None]
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
+
+
+@triton.jit
+def _page_values(p, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0,
+                 half_kappa, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                 ASM: tl.constexpr, LLOYD: tl.constexpr):
+    """Adds one page of quantized values, weighted by the probabilities p [BLOCK_M, P], to the slice
+    sums acc_s (Σ p·s·c·mult_s in units of 2^-24; LLOYD: Σ p·s·(c + kappa·b1)·mult_s) and to the zero
+    corrections z_g (every column of [BLOCK_M, 16] holds Σ p·s·z of group g)."""
+    v0, v1, vh0, vh1 = _page_words(vc_ptr, row0, P, D, BITS, ASM)
     w0, z0 = _weighted_codes_mma(p, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
     w1, w2, w3 = w0, w0, w0
     if NG >= 2:
@@ -417,6 +422,22 @@ def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
                           LLOYD)
     acc7 = _sliced_values(7, w0, w1, w2, w3, k0, k1, k2, k3, acc7, v0, v1, vh0, vh1, D, NG, BITS, ASM,
                           LLOYD)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
+
+
+@triton.jit
+def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+                         vc_ptr, vs_ptr, vz_ptr, row0, half_kappa, P: tl.constexpr, D: tl.constexpr,
+                         NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
+    """Online-softmax step over one page of quantized values (sliced path; `_page_values`).
+    s: masked scores."""
+    m_new, p, alpha, l = _softmax_weights(s, None, m, l)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
+        alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+        z0, z1, z2, z3, NG)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _page_values(
+        p, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0,
+        half_kappa, P, D, NG, BITS, ASM, LLOYD)
     return m_new, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
 
 
@@ -608,6 +629,67 @@ def _score_shift(terms_ptr, num_blocks, q_row, row_valid, page_index, S: tl.cons
 
 
 @triton.jit
+def _page_row(bt_row, index, end, num_pages, h, HKV: tl.constexpr, P: tl.constexpr, CHECK_END: tl.constexpr):
+    """(first pool row of history page `index` for KV head h, whether the page is valid). An id out of
+    range reads page 0 and is reported invalid; CHECK_END: so is an index at or after `end`, whose
+    block-table entry is not read."""
+    if CHECK_END:
+        page = tl.load(bt_row + index, mask=index < end, other=-1)
+    else:
+        page = tl.load(bt_row + index)
+    page_ok = (page >= 0) & (page < num_pages)
+    return (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P, page_ok
+
+
+@triton.jit
+def _history_page_scores(index, end, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2,
+                         qk3, qk4, qk5, qk6, qk7, g0, g1, g2, g3, unit, kc_ptr, ks_ptr, kz_ptr, shift_ptr,
+                         num_blocks, q_row, row_valid, hist_limit, query_pos, window, HKV: tl.constexpr,
+                         P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+                         LLOYD: tl.constexpr, S: tl.constexpr, KEY_SHIFTS: tl.constexpr,
+                         SHIFT_BLOCK: tl.constexpr, PART_PAGE: tl.constexpr, CHECK_END: tl.constexpr):
+    """Masked scores [BLOCK_M, P] of history page `index` (sliced path) and the page's first pool row."""
+    row0, page_ok = _page_row(bt_row, index, end, num_pages, h, HKV, P, CHECK_END)
+    kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, BITS, ASM)
+    s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, qk4, qk5, qk6, qk7,
+                       g0, g1, g2, g3, unit, kw0, kw1, kh0, kh1, ks_ptr, kz_ptr, row0, P, D, NG, BITS, ASM, LLOYD)
+    if KEY_SHIFTS:
+        s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None]
+    # Padding rows have zero queries, so finite scores; their outputs are never stored. An invalid page
+    # and the rows at or after hist_limit are masked here. Without a window the mask is one bias per
+    # key: a [BLOCK_M, P] mask tile costs ~140 instructions per page.
+    hist_pos = S + index * P + tl.arange(0, P)
+    if window > 0:
+        s = tl.where(page_ok & (hist_pos < hist_limit)[None, :] & (query_pos[:, None] - hist_pos[None, :] < window),
+                     s, float("-inf"))
+    elif PART_PAGE:
+        s += tl.where(page_ok & (hist_pos < hist_limit), 0.0, float("-inf"))[None, :]
+    else:  # one scalar bias: the per-key one costs 4% at 32x32K on the H100
+        s += tl.where(page_ok, 0.0, float("-inf"))
+    return s, row0
+
+
+@triton.jit
+def _merge_row_groups(m, l, a0, a1, a2, a3, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merges the row groups of a decode history split (rows r and r' hold the same query head when
+    r ≡ r' mod G) by their running maxima, as `_combine_kernel` merges splits. Returns every row's
+    head's max, sum and the four output quarters (plain units, unnormalised), so that row i < G holds
+    query head i."""
+    r = tl.arange(0, BLOCK_M)
+    same = (r[:, None] % G) == (r[None, :] % G)
+    top = tl.max(tl.where(same, m[None, :], float("-inf")), 1)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    # weight[r, r'] = 2^(m_r' - top_r) for the rows r' of r's head (0 for a row that saw no key)
+    weight = tl.where(same, tl.exp2(m[None, :] - top_safe[:, None]), 0.0)
+    l = tl.sum(weight * l[None, :], 1)
+    a0 = tl.dot(weight, a0, input_precision="ieee")
+    a1 = tl.dot(weight, a1, input_precision="ieee")
+    a2 = tl.dot(weight, a2, input_precision="ieee")
+    a3 = tl.dot(weight, a3, input_precision="ieee")
+    return top, l, a0, a1, a2, a3
+
+
+@triton.jit
 def _paged_attention_kernel(
         q_ptr, k_new_ptr, v_new_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
@@ -619,7 +701,7 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
         REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
         SHIFT_BLOCK: tl.constexpr = 1, OVERLAP: tl.constexpr = 0, K_LLOYD: tl.constexpr = False,
-        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True):
+        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True, ROW_GROUPS: tl.constexpr = 1):
     """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
     block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
     WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
@@ -633,7 +715,11 @@ def _paged_attention_kernel(
     the launcher passes False for steps of at most recent_tokens new tokens, where it cannot.
 
     K_LLOYD, V_LLOYD: the INT2 keys / values use Lloyd–Max levels, level(c) = 3a·(c + kappa·b1), with
-    k_kappa = kappa and k_unit = 3a·2^24 for the keys (v_ for the values; see `_lloyd_dot`)."""
+    k_kappa = kappa and k_unit = 3a·2^24 for the keys (v_ for the values; see `_lloyd_dot`).
+
+    ROW_GROUPS > 1 (decode history splits, sliced path): the BLOCK_M rows are ROW_GROUPS copies of the
+    G query heads of one new token, each copy reading its own pages, so that one softmax step on the
+    [BLOCK_M, P] tile serves ROW_GROUPS pages instead of one page with BLOCK_M - G padding rows."""
     if OVERLAP >= 1:
         _gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -654,8 +740,12 @@ def _paged_attention_kernel(
             _gdc_wait()
         return
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = r < count * G
-    t = r // G
+    if ROW_GROUPS > 1:  # decode history split: every row group holds the G query heads (see the loop)
+        row_valid = r < ROW_GROUPS * G
+        t = r * 0
+    else:
+        row_valid = r < count * G
+        t = r // G
     head = h * G + r % G
     query_pos = old + t
     q_row = (start + t).to(tl.int64) * HQ + head
@@ -728,34 +818,47 @@ def _paged_attention_kernel(
         if window > 0:  # pages wholly before the window of the first query row are skipped
             lo = tl.maximum(lo, tl.maximum(old + m_block * BLOCK_M // G - window + 1 - S, 0) // P)
         bt_row = bt_ptr + slot.to(tl.int64) * bt_stride
-        for index in range(lo, hi):
-            page = tl.load(bt_row + index)
-            page_ok = (page >= 0) & (page < num_pages)
-            row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P
-            kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, K_BITS, ASM)
-            s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, qk4, qk5, qk6, qk7,
-                               g0, g1, g2, g3, _unit(k_unit, K_LLOYD), kw0, kw1, kh0, kh1, ks_ptr, kz_ptr, row0,
-                               P, D, NG, K_BITS, ASM, K_LLOYD)
-            if KEY_SHIFTS:
-                s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None]
-            # Padding rows have zero queries, so finite scores; their outputs are never stored. A page
-            # id out of range was read as page 0 and is masked here, as are rows at or after hist_limit.
-            # Without a window the mask is one bias per key: a [BLOCK_M, P] mask tile costs ~140
-            # instructions per page.
-            hist_pos = S + index * P + tl.arange(0, P)
-            if window > 0:
-                s = tl.where(page_ok & (hist_pos < hist_limit)[None, :] & (query_pos[:, None] - hist_pos[None, :] < window),
-                             s, float("-inf"))
-            elif PART_PAGE:
-                s += tl.where(page_ok & (hist_pos < hist_limit), 0.0, float("-inf"))[None, :]
-            else:  # one scalar bias: the per-key one costs 4% at 32x32K on the H100
-                s += tl.where(page_ok, 0.0, float("-inf"))
-            m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
-                s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, P, D, NG, V_BITS, ASM, V_LLOYD)
+        if ROW_GROUPS > 1:
+            # Decode with row groups: rows a·G .. a·G + G - 1 are copy a of the G query heads, and copy a
+            # reads pages lo + a, lo + a + ROW_GROUPS, ...: one softmax step on the [BLOCK_M, P] tile
+            # covers ROW_GROUPS pages instead of one page on G useful rows (`_merge_row_groups` after).
+            group = tl.arange(0, BLOCK_M) // G
+            for base in range(lo, hi, ROW_GROUPS):
+                s = tl.full([BLOCK_M, P], float("-inf"), tl.float32)
+                for a in tl.static_range(ROW_GROUPS):
+                    s_a, row0 = _history_page_scores(
+                        base + a, hi, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2,
+                        qk3, qk4, qk5, qk6, qk7, g0, g1, g2, g3, _unit(k_unit, K_LLOYD), kc_ptr, ks_ptr, kz_ptr,
+                        shift_ptr, num_blocks, q_row, row_valid, hist_limit, query_pos, window, HKV, P, D, NG,
+                        K_BITS, ASM, K_LLOYD, S, KEY_SHIFTS, SHIFT_BLOCK, PART_PAGE, True)
+                    s = tl.where((group == a)[:, None], s_a, s)
+                m_new, p, alpha, l = _softmax_weights(s, None, m, l)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
+                    alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
+                    acc7, z0, z1, z2, z3, NG)
+                m = m_new
+                for a in tl.static_range(ROW_GROUPS):
+                    row0, page_ok = _page_row(bt_row, base + a, hi, num_pages, h, HKV, P, True)
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _page_values(
+                        tl.where((group == a)[:, None], p, 0.0), acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                        z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, P, D, NG, V_BITS, ASM,
+                        V_LLOYD)
+        else:
+            for index in range(lo, hi):
+                s, row0 = _history_page_scores(
+                    index, hi, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3,
+                    qk4, qk5, qk6, qk7, g0, g1, g2, g3, _unit(k_unit, K_LLOYD), kc_ptr, ks_ptr, kz_ptr, shift_ptr,
+                    num_blocks, q_row, row_valid, hist_limit, query_pos, window, HKV, P, D, NG, K_BITS, ASM,
+                    K_LLOYD, S, KEY_SHIFTS, SHIFT_BLOCK, PART_PAGE, False)
+                m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
+                    s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
+                    vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, P, D, NG, V_BITS, ASM, V_LLOYD)
         a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, tl.max(z0, 1),
                                           tl.max(z1, 1), tl.max(z2, 1), tl.max(z3, 1), _unit(v_unit, V_LLOYD),
                                           D, NG, V_BITS)
+        if ROW_GROUPS > 1:
+            m, l, a0, a1, a2, a3 = _merge_row_groups(m, l, a0, a1, a2, a3, G, BLOCK_M)
+            row_valid = r < count * G  # row i < G holds query head h·G + i; the copies are not stored
     elif has_history:
         # Sums of the rounded query quarters, for the zero points (see _group_scores).
         qs0 = tl.sum(q0.to(tl.float32), 1)
@@ -894,7 +997,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
                      maxnreg: int | None = None, window_splits: int = 1, overlap: bool | None = None,
-                     window_first: bool = False) -> None:
+                     window_first: bool = False, row_groups: int = 1) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
@@ -910,7 +1013,11 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     splits, window splits, combine; `window_first` swaps the first two) overlap by
     programmatic dependent launch. The second starts as soon as the first has started, since
     the two read nothing the other writes; it waits for the first before it ends. The combine
-    starts early and waits for both. Without it each launch waits for the one before."""
+    starts early and waits for both. Without it each launch waits for the one before.
+
+    row_groups (decode history launch, D >= 128; `ops.choose_row_groups`): pages per softmax step, each
+    read by its own copy of the query heads (see ROW_GROUPS in the kernel); 1 where they do not fit
+    the block's rows."""
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads
@@ -946,8 +1053,9 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     if num_splits > 1 and separate_windows:
         ws = shape["WINDOW_SPLITS"]
         registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and _maxnreg_supported() else {}
+        grouped = row_groups if batch.max_new == 1 and d >= 128 and row_groups * group <= block_m else 1
         history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
-                   dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, **registers))
+                   dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))
         windows = ((b * lay.kv_heads, m_blocks, ws), dict(REGIONS=2, num_warps=window_warps, num_stages=2))
         first, second = (windows, history) if window_first else (history, windows)
         _paged_attention_kernel[first[0]](*args, **shape, **first[1], OVERLAP=int(overlap))
