@@ -247,6 +247,18 @@ def test_decode_row_groups_match_reference(head_dim, gqa, row_groups, num_splits
            row_groups=row_groups, **extra)
 
 
+def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
+    """The launch plan on an H100's 132 multiprocessors (Qwen3 shapes): batch 1 below 64K takes half a
+    wave of history splits (8 or more pages each), longer contexts and batches one full wave."""
+    import oscarkv.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "_multiprocessor_count", lambda device: 132)
+    layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
+    splits = lambda batch, context: ops.choose_splits(layer, batch, 1, 32, context, torch.device("cpu"))  # noqa: E731
+    assert [splits(1, c) for c in (8192, 32768, 131072)] == [66 + 4, 66 + 4, 128 + 4]
+    assert splits(32, 32768) == 4 + 1
+
+
 def test_row_groups_only_for_long_decode_splits():
     layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
     choose = lambda *a: choose_row_groups(layer, *a)  # noqa: E731 (max_new, query_heads, splits, window splits, context)
