@@ -261,7 +261,8 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
 
 def test_row_groups_only_for_long_decode_splits():
     layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
-    choose = lambda *a: choose_row_groups(layer, *a)  # noqa: E731 (max_new, query_heads, splits, window splits, context)
+    # arguments: max_new, query_heads, splits, window splits, context
+    choose = lambda *a: choose_row_groups(layer, *a)  # noqa: E731
     assert choose(1, 32, 5, 1, 32768) == 2  # 32x32K: 128 pages per history split
     assert choose(1, 32, 132, 4, 131072) == 1  # 1x128K: 16 pages
     assert choose(1, 32, 5, 1, 8192) == 1  # 32 pages
