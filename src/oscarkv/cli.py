@@ -392,7 +392,7 @@ def cmd_bench_decode(args) -> int:
 
         settings = Settings(args.model, tuple(_ints(args.contexts)), args.batch, tuple(_ints(args.batch_contexts)),
                             not args.no_largest, args.prefill, steps=args.steps,
-                            compile_small_ops=not args.eager_small_ops)
+                            compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas)
         with tqdm(desc="bench decode", bar_format="{desc}: {elapsed} {postfix}", disable=args.json) as bar:
             results = [run(settings, progress=lambda message: bar.set_postfix_str(message))]
         if args.save:
@@ -623,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eager-small-ops", action="store_true",
                    help="run the norms, MLPs and rotary embedding as eager PyTorch in the decode steps "
                         "(default: compiled by torch.compile, CacheConfig.compile_small_ops)")
+    b.add_argument("--cublas", action="store_true",
+                   help="run batch-1 linear layers through cuBLAS (default: the Triton matrix-vector kernel, "
+                        "CacheConfig.decode_gemv)")
     b.add_argument("--save", default=None, help="write the results to this JSON file")
     b.add_argument("--plot", default=None, help="write the tokens/s vs context plot to this PNG")
     b.add_argument("--from-json", nargs="+", default=None,

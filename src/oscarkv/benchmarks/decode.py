@@ -77,6 +77,7 @@ class Settings:
     steps: int = 128
     memory_margin_gib: float = 6.0
     compile_small_ops: bool = True  # CacheConfig.compile_small_ops of both caches' static steps
+    decode_gemv: bool = True  # CacheConfig.decode_gemv: batch-1 linear products by the Triton kernel
 
 
 def weight_bytes(model) -> int:
@@ -146,18 +147,20 @@ def fill(cache, slots: list[int], context: int, chunk_tokens: int = 65536, seed:
     cache.set_batch(slots)
 
 
-def _patch(model, name: str, compile_small_ops: bool = True) -> None:
+def _patch(model, name: str, compile_small_ops: bool = True, decode_gemv: bool = True) -> None:
     import oscarkv
 
-    oscarkv.patch(model, method=METHODS[name], cache=CacheConfig(compile_small_ops=compile_small_ops))
+    oscarkv.patch(model, method=METHODS[name],
+                  cache=CacheConfig(compile_small_ops=compile_small_ops, decode_gemv=decode_gemv))
 
 
 def decode_run(model, name: str, batch: int, context: int, steps: int, weights: int, bandwidth_gbs: float,
-               compile_small_ops: bool = True) -> DecodeRun:
+               compile_small_ops: bool = True, decode_gemv: bool = True) -> DecodeRun:
     """Fill a fresh cache of `batch` slots to `context` tokens, then time `steps` graph-replayed steps
-    (compile_small_ops: the static steps' norms, MLPs and rotary embedding compiled, the default)."""
+    (compile_small_ops: the static steps' norms, MLPs and rotary embedding compiled, the default;
+    decode_gemv: batch-1 linear products by the Triton kernel, the default)."""
     release_memory()  # the previous run's cache, now garbage
-    _patch(model, name, compile_small_ops)
+    _patch(model, name, compile_small_ops, decode_gemv)
     warmup = 2
     total = context + warmup + steps + 1
     cache = slot_cache_for(model, batch, total)
@@ -256,7 +259,7 @@ def run(settings: Settings, progress=None) -> dict:
             say(f"{name} batch {batch} x {context} tokens")
             try:
                 runs[name] = asdict(decode_run(model, name, batch, context, settings.steps, weights, bandwidth,
-                                               settings.compile_small_ops)) if batch else None
+                                               settings.compile_small_ops, settings.decode_gemv)) if batch else None
             except torch.OutOfMemoryError as exc:  # recorded, and the other runs go on
                 release_memory()
                 runs[name] = None

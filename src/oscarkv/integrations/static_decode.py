@@ -20,13 +20,16 @@ goes to transformers' own loop.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 from transformers import GenerationConfig
 
 from ..errors import OscarError
 from .fused_ops import compiled_small_ops
+from .gemv import gemv_linears
 from .slots import DenseSlotCache, PagedSlotCache
 from .transformers import cache_keyword
 
@@ -51,6 +54,22 @@ def compiles_small_ops(model) -> bool:
     state = getattr(model, "oscar", None)
     device = next(model.parameters()).device
     return device.type == "cuda" and state is not None and state.cache.compile_small_ops
+
+
+def uses_gemv(model) -> bool:
+    """Whether the static steps of this model send batch-1 linear products to the Triton kernel (CUDA only)."""
+    state = getattr(model, "oscar", None)
+    device = next(model.parameters()).device
+    return device.type == "cuda" and state is not None and state.cache.decode_gemv
+
+
+@contextmanager
+def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
+    """The static steps' own operations: compiled small ops (`fused_ops`) and batch-1 matrix-vector
+    products (`gemv`), each where the model's CacheConfig asks for it."""
+    with gemv_linears(model, enabled and uses_gemv(model)), \
+            compiled_small_ops(model, enabled and compiles_small_ops(model)):
+        yield
 
 
 def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Tensor) -> torch.Tensor:
@@ -96,7 +115,7 @@ class StaticDecoder:
         self.cache.freeze(steps)
         done = 0
         try:
-            with compiled_small_ops(self.model, compiles_small_ops(self.model)):
+            with fast_step_ops(self.model):
                 eager = steps if not self.graphs else min(steps, self.warmup_steps)
                 for _ in range(eager):
                     self._step(buffers)
@@ -186,7 +205,7 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         self.cache.bind_step(self.slots[:b], self.lengths[:b], self.cu_new[:b + 1])
         try:
-            with compiled_small_ops(self.model, self.graphs and compiles_small_ops(self.model)):
+            with fast_step_ops(self.model, self.graphs):
                 return self.model(input_ids=self.ids[:b], position_ids=self.positions[:b],
                                   **{cache_keyword(self.model): self.cache},
                                   use_cache=True, logits_to_keep=1).logits[:, -1]

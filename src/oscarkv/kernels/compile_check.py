@@ -36,6 +36,7 @@ SCORE_SHIFT_TYPES = dict(q_ptr=WINDOW, shift_ptr="*fp32", out_ptr="*fp32", qk_sc
 COMBINE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=WINDOW)
 ROTATE_TYPES = dict(q_ptr=WINDOW, r_ptr="*fp32", out_ptr=WINDOW, rows="i32", n="i32", stride_b="i32",
                     stride_h="i32", stride_n="i32")
+GEMV_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16", N="i32", K="i32", stride_w="i32")
 
 # (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
 # INT4 fallback, INT4 keys with INT2 values (sliced and plain paths), SmolLM2, Gemma3, INT4 group D/4,
@@ -71,7 +72,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         raise RuntimeError("TRITON_INTERPRET=1 replaces the kernels by interpreted functions; unset it to compile.")
     import triton.language as tl
 
-    from . import triton_attention, triton_dense, triton_rotate, triton_write
+    from . import triton_attention, triton_dense, triton_gemv, triton_rotate, triton_write
     from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
@@ -124,6 +125,9 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                      {}))
         jobs.append((triton_attention._combine_kernel, COMBINE_TYPES,
                      dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32, WAIT=pdl), {}))
+        jobs.append((triton_gemv._gemv_kernel, GEMV_TYPES,
+                     dict(HAS_BIAS=False, BLOCK_N=triton_gemv.BLOCK_N, BLOCK_K=triton_gemv.BLOCK_K),
+                     dict(num_warps=4, num_stages=3)))
         jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))
