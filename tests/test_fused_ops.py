@@ -98,7 +98,8 @@ def test_static_path_compiles_only_on_cuda_and_when_configured():
 
 @pytest.mark.parametrize("eager", [False, True])
 def test_serve_flag_reaches_the_served_model(monkeypatch, eager):
-    """`oscarkv serve --eager-small-ops` serves the model patched with compile_small_ops=False."""
+    """`oscarkv serve --eager-small-ops --cublas` serves the model patched with compile_small_ops=False and
+    decode_gemv=False."""
     uvicorn = pytest.importorskip("uvicorn")  # a dependency of oscarkv; absent on the bare GPU machine
 
     import oscarkv.models
@@ -109,5 +110,6 @@ def test_serve_flag_reaches_the_served_model(monkeypatch, eager):
     monkeypatch.setattr(oscarkv.models, "load_model", lambda name, device=None: (model, TokenIdTokenizer(128)))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
     assert main(["serve", "tiny", "--method", "hadamard", "--max-seqs", "2"]
-                + (["--eager-small-ops"] if eager else [])) == 0
+                + (["--eager-small-ops", "--cublas"] if eager else [])) == 0
     assert model.oscar.cache.compile_small_ops is (not eager)
+    assert model.oscar.cache.decode_gemv is (not eager)

@@ -422,7 +422,7 @@ def cmd_serve(args) -> int:
         max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs)
     budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
     engine = build_engine(model, tokenizer, args.method, args.rotations, config, budget,
-                          cache=CacheConfig(compile_small_ops=not args.eager_small_ops))
+                          cache=CacheConfig(compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas))
     if model.device.type == "cuda" and not args.no_warm_up:
         started = time.time()
         warmed = engine.warm_up()
@@ -653,7 +653,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, run every decode step eagerly instead of replaying a CUDA graph per batch size")
     p.add_argument("--eager-small-ops", action="store_true",
                    help="on CUDA, run the model's norms, MLPs and rotary embedding as eager PyTorch in the decode "
-                        "graphs (default: compiled by torch.compile; eager gives transformers' rounding exactly)")
+                        "graphs (default: compiled by torch.compile; with --cublas, eager gives transformers' "
+                        "rounding exactly)")
+    p.add_argument("--cublas", action="store_true",
+                   help="on CUDA, run batch-1 decode steps' linear layers through cuBLAS (default: the Triton "
+                        "matrix-vector kernel, CacheConfig.decode_gemv)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="on CUDA, skip running every batch size once before serving (kernels then compile "
                         "during the first requests)")

@@ -49,18 +49,21 @@ _STATIC_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", 
                   "use_cache"}
 
 
-def compiles_small_ops(model) -> bool:
-    """Whether the static steps of this model run its small operations compiled (CUDA only)."""
+def _cuda_step_option(model, name: str) -> bool:
+    """CacheConfig.<name> of a patched model on CUDA; False elsewhere (the static steps' own operations)."""
     state = getattr(model, "oscar", None)
     device = next(model.parameters()).device
-    return device.type == "cuda" and state is not None and state.cache.compile_small_ops
+    return device.type == "cuda" and state is not None and getattr(state.cache, name)
+
+
+def compiles_small_ops(model) -> bool:
+    """Whether the static steps of this model run its small operations compiled (CUDA only)."""
+    return _cuda_step_option(model, "compile_small_ops")
 
 
 def uses_gemv(model) -> bool:
     """Whether the static steps of this model send batch-1 linear products to the Triton kernel (CUDA only)."""
-    state = getattr(model, "oscar", None)
-    device = next(model.parameters()).device
-    return device.type == "cuda" and state is not None and state.cache.decode_gemv
+    return _cuda_step_option(model, "decode_gemv")
 
 
 @contextmanager
