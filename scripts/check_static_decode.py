@@ -58,6 +58,10 @@ def profile(model, prompt, steps: int = 8) -> None:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         decoder.decode(slots, last, steps)
         torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.time_range.elapsed_us() for e in kernels)
+    print(f"kernels per step {len(kernels) / steps:.0f}, sum of kernel times per step {total_us / steps / 1e3:.3f} ms",
+          flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 

@@ -33,29 +33,34 @@ def gemv(x, w, out, bn, bk, warps, stages):
     _gemv[(triton.cdiv(N, bn),)](x, w, out, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
-dev = torch.device("cuda")
-copy = copy_bandwidth_gbs(dev)
-print(f"copy {copy:.0f} GB/s")
-shapes = {"q": (4096, 2560), "kv": (1024, 2560), "o": (2560, 4096), "gate/up": (9728, 2560), "down": (2560, 9728),
-          "lm_head": (151936, 2560), "gate+up fused": (19456, 2560), "qkv fused": (6144, 2560)}
-configs = [(bn, bk, wp, st) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for wp in (4,) for st in (1, 3)]
-for name, (N, K) in shapes.items():
-    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-    ref = F.linear(x, w)
-    nbytes = N * K * 2
-    t_cublas = _time_us(lambda: F.linear(x, w))
-    best = None
-    out = torch.empty(N, device=dev, dtype=torch.bfloat16)
-    for c in configs:
-        try:
-            gemv(x, w, out, *c)
-        except Exception as e:
-            continue
-        err = (out.float() - ref.float().view(-1)).abs().max().item()
-        t = _time_us(lambda: gemv(x, w, out, *c))
-        if best is None or t < best[0]:
-            best = (t, c, err)
-    t, c, err = best
-    print(f"{name:>14} {N}x{K}: cuBLAS {t_cublas:7.1f} us ({nbytes/t_cublas/1e3/copy*100:5.1f}%)  triton {t:7.1f} us "
-          f"({nbytes/t/1e3/copy*100:5.1f}%) best {c} err {err:.2e}", flush=True)
+def main() -> None:
+    dev = torch.device("cuda")
+    copy = copy_bandwidth_gbs(dev)
+    print(f"copy {copy:.0f} GB/s")
+    shapes = {"q": (4096, 2560), "kv": (1024, 2560), "o": (2560, 4096), "gate/up": (9728, 2560), "down": (2560, 9728),
+              "lm_head": (151936, 2560), "gate+up fused": (19456, 2560), "qkv fused": (6144, 2560)}
+    configs = [(bn, bk, wp, st) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for wp in (4,) for st in (1, 3)]
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        ref = F.linear(x, w)
+        nbytes = N * K * 2
+        t_cublas = _time_us(lambda: F.linear(x, w))
+        best = None
+        out = torch.empty(N, device=dev, dtype=torch.bfloat16)
+        for c in configs:
+            try:
+                gemv(x, w, out, *c)
+            except Exception as e:
+                continue
+            err = (out.float() - ref.float().view(-1)).abs().max().item()
+            t = _time_us(lambda: gemv(x, w, out, *c))
+            if best is None or t < best[0]:
+                best = (t, c, err)
+        t, c, err = best
+        print(f"{name:>14} {N}x{K}: cuBLAS {t_cublas:7.1f} us ({nbytes/t_cublas/1e3/copy*100:5.1f}%)  triton {t:7.1f} us "
+              f"({nbytes/t/1e3/copy*100:5.1f}%) best {c} err {err:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""The batch-1 matrix-vector kernel against F.linear, and `gemv_linears` swapping it in and back."""
+"""The batch-1 matrix-vector kernels against F.linear, and `gemv_linears` swapping them in and back."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not in
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# K below, at and past one 1024-column block; N odd (a half-empty last program), one and many programs
-@pytest.mark.parametrize("n,k", [(1, 16), (7, 1024), (33, 2500), (64, 3000)])
+# K below and at a power of two, between two, and past one load of CHUNK columns; one and many programs
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 1024), (33, 2500), (64, 3000), (3, 40000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_linear(n, k, dtype, bias):
@@ -30,8 +30,8 @@ def test_kernel_matches_linear(n, k, dtype, bias):
     out = torch.full((n,), float("nan"), dtype=dtype, device=DEVICE)
     launch_gemv(x, w, b, out)
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
-    # float32 sums, then one rounding to the output dtype
-    torch.testing.assert_close(out.double(), expected, rtol=2.0**-7, atol=1e-3 * k**0.5)
+    # float32 sums, then one rounding to nearest in the output dtype (half an ulp: 2^-8 relative or less)
+    torch.testing.assert_close(out.double(), expected, rtol=2.0**-8, atol=1e-3 * k**0.5)
 
 
 def test_only_single_rows_take_the_kernel():
@@ -42,33 +42,121 @@ def test_only_single_rows_take_the_kernel():
     assert not takes_gemv(linear.float(), torch.randn(1, 64, device=DEVICE))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_model_forward_with_the_kernel(compiled, monkeypatch):
-    """One decode token through a bfloat16 model: the swapped linears give the logits of F.linear within
-    rounding, a two-row batch goes to F.linear unchanged, and the model's own forwards are back after."""
-    if compiled and not fused_ops.can_compile():
-        pytest.skip("torch.compile does not run in this Python")
-    model = tiny_model("qwen3", dtype=torch.bfloat16).to(DEVICE)
-    ids = torch.randint(0, 128, (1, 1), device=DEVICE)
-    pair = torch.randint(0, 128, (2, 1), device=DEVICE)
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+def _reference_silu_mul(x, gate, up):
+    """silu(gate·x) * up·x with the kernel's roundings: each product, the activation, the result."""
+    dtype = x.dtype
+    g = F.linear(x.double(), gate.double()).to(dtype).float()
+    u = F.linear(x.double(), up.double()).to(dtype).float()
+    return (F.silu(g).to(dtype).float() * u).to(dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_launch_for_three_weights_equals_three_launches(bias):
+    """q/k/v in one launch: each output row bit for bit what its own launch gives."""
+    from oscarkv.kernels.triton_gemv import launch_gemv
+
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(n, 300, generator=g).to(DEVICE, torch.bfloat16) for n in (33, 8, 7)]
+    biases = [torch.randn(n, generator=g).to(DEVICE, torch.bfloat16) if bias else None for n in (33, 8, 7)]
+    x = torch.randn(300, generator=g).to(DEVICE, torch.bfloat16)
+    fused = torch.full((48,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    launch_gemv(x, weights, biases, fused)
+    alone = []
+    for w, b in zip(weights, biases):
+        alone.append(torch.full((w.shape[0],), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+        launch_gemv(x, w, b, alone[-1])
+    assert torch.equal(fused, torch.cat(alone))
+    with pytest.raises(ValueError, match="every weight has a bias"):
+        launch_gemv(x, weights, [None, None, torch.zeros(7, dtype=torch.bfloat16, device=DEVICE)], fused)
+
+
+@pytest.mark.parametrize("n,k", [(1, 16), (33, 2500), (5, 40000)])  # 40000: a row longer than one load
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_kernel(n, k, dtype):
+    from oscarkv.kernels.triton_gemv import launch_gemv_silu_mul
+
+    g = torch.Generator().manual_seed(n + k)
+    gate, up = (torch.randn(n, k, generator=g).mul(k**-0.5).to(DEVICE, dtype) for _ in range(2))
+    x = torch.randn(k, generator=g).to(DEVICE, dtype)
+    out = torch.full((n,), float("nan"), dtype=dtype, device=DEVICE)
+    launch_gemv_silu_mul(x, gate, up, out)
+    # one ulp: the sums' float32 order against float64 can flip a rounding of the products
+    torch.testing.assert_close(out.float(), _reference_silu_mul(x, gate, up).float(), rtol=2.0**-7, atol=1e-6)
+
+
+def _count_launches(monkeypatch) -> list[str]:
     from oscarkv.kernels import triton_gemv
 
     launches = []
-    launch = triton_gemv.launch_gemv
-    monkeypatch.setattr(triton_gemv, "launch_gemv", lambda *a: (launches.append(a[1].shape), launch(*a)))
+    for name in ("launch_gemv", "launch_gemv_silu_mul"):
+        launch = getattr(triton_gemv, name)
+        monkeypatch.setattr(triton_gemv, name,
+                            lambda *a, _launch=launch, _name=name, **kw: (launches.append(_name), _launch(*a, **kw)))
+    return launches
+
+
+@pytest.mark.parametrize("family,compiled", [("qwen3", False), ("qwen3", True), ("qwen2", False), ("gemma3", False)])
+def test_model_forward_with_the_kernels(family, compiled, monkeypatch):
+    """One decode token through a bfloat16 model: q/k/v in one launch, a gated SiLU MLP's gate and up
+    in one (not Gemma's GELU MLP), the logits of F.linear within rounding; a two-row batch goes to what
+    ran before unchanged, and the model's own forwards are back after."""
+    if compiled and not fused_ops.can_compile():
+        pytest.skip("torch.compile does not run in this Python")
+    model = tiny_model(family, dtype=torch.bfloat16, bias_scale=1.0 if family == "qwen2" else 0.0).to(DEVICE)
+    ids = torch.randint(0, 128, (1, 1), device=DEVICE)
+    pair = torch.randint(0, 128, (2, 1), device=DEVICE)
+    launches = _count_launches(monkeypatch)
     with torch.no_grad():
         expected, expected_pair = model(ids).logits.float(), model(pair).logits
-        with gemv_linears(model), compiled_small_ops(model, enabled=compiled, backend="eager"):
-            assert all("forward" in vars(m) for m in linears)
+        with compiled_small_ops(model, enabled=compiled, backend="eager"), gemv_linears(model):
             got, got_pair = model(ids).logits.float(), model(pair).logits
-    assert not any("forward" in vars(m) for m in linears)
-    assert len(launches) == len(linears)  # every linear of the one-token forward, none of the pair's
+    assert not any("forward" in vars(m) for m in model.modules())
+    layers = model.config.num_hidden_layers
+    mlp = ["launch_gemv_silu_mul", "launch_gemv"] if family != "gemma3" else ["launch_gemv"] * 3
+    assert launches == (["launch_gemv", "launch_gemv"] + mlp) * layers + ["launch_gemv"]  # + the LM head
     assert torch.equal(got_pair, expected_pair)
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+
+
+def test_shared_projections_give_each_input_its_own_outputs():
+    """Kept outputs serve only calls with the very input they were computed for, in any call order."""
+    from oscarkv.integrations.gemv import SharedInputProjections
+
+    linears = [torch.nn.Linear(64, n, bias=False).to(DEVICE, torch.bfloat16) for n in (32, 16, 16)]
+    group = SharedInputProjections(linears)
+    x, other = (torch.randn(1, 1, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    calls = [(0, x), (1, other), (2, x), (1, x), (0, other), (0, x.clone())]
+    with torch.no_grad():
+        got = [group.forward(i, inp) for i, inp in calls]
+        want = [F.linear(inp, linears[i].weight) for i, inp in calls]
+    assert set(group.pending) == {1, 2} and group.source is calls[-1][1]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.float(), w.float(), rtol=2.0**-7, atol=0.02)
+    group.clear()
+    assert group.source is None and not group.pending
 
 
 def test_disabled_swaps_nothing():
     model = tiny_model("llama")
     with gemv_linears(model, enabled=False):
         assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the static decode path runs the kernels on CUDA only")
+@pytest.mark.parametrize("method", ["hadamard", "bf16"])
+def test_static_decode_at_batch_one_replays_what_it_runs(method, monkeypatch):
+    """Batch-1 static decoding of a bfloat16 model goes through the kernels (kept q/k/v outputs and
+    overlapped launches included), and the CUDA graph's replays give the tokens of the eager steps."""
+    import oscarkv
+    from oscarkv.config import CacheConfig
+    from oscarkv.integrations.static_decode import generate_static
+
+    model = tiny_model("qwen3", dtype=torch.bfloat16, head_dim=64, attention_scale=3.0).to(DEVICE)
+    oscarkv.patch(model, method=method, cache=CacheConfig(sink_tokens=16, recent_tokens=32, page_size=16))
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    launches = _count_launches(monkeypatch)
+    eager = generate_static(model, ids, 30, graphs=False)
+    assert "launch_gemv_silu_mul" in launches
+    assert torch.equal(generate_static(model, ids, 30, graphs=True), eager)
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -91,8 +91,9 @@ class CacheConfig:
     compile_small_ops: the static decode path (CUDA) runs the model's norms, MLPs and rotary
         embedding compiled by torch.compile, a few fused kernels instead of about forty small
         ones per layer (`oscarkv.integrations.fused_ops`); False runs them as eager PyTorch.
-    decode_gemv: the static decode path (CUDA) runs a batch-1 step's linear layers as a Triton
-        matrix-vector product instead of cuBLAS (`oscarkv.integrations.gemv`); False keeps cuBLAS.
+    decode_gemv: the static decode path (CUDA) runs a batch-1 step's linear layers as Triton
+        matrix-vector products instead of cuBLAS, q/k/v and a gated MLP's gate/up in one launch
+        each (`oscarkv.integrations.gemv`); False keeps cuBLAS.
     key_centering: how the keys of a centered artifact (SPEC §6) are centered. "fixed": every key
         minus μ_K, the mean calibration measured at positions [0, chunk). "rope": a history key
         at position p is centered by R(o)·μ_K instead, the same mean turned by RoPE to its block

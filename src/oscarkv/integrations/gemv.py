@@ -1,23 +1,50 @@
-"""Batch-1 decode steps: the model's linear layers as a Triton matrix-vector product.
+"""Batch-1 decode steps: the model's linear layers as Triton matrix-vector products.
 
-`gemv_linears(model)` swaps, for the duration of a `with` block, the forward of every
-`nn.Linear` in the model for one that sends a single input row (a batch-1 decode step) to
-`oscarkv::gemv` (`kernels/triton_gemv.py`) and anything else to `F.linear` as before. On
-exit the model's own forwards are back. `oscarkv::gemv` is a torch custom op, so the MLP
-forwards that `compiled_small_ops` compiles call it as one opaque kernel.
+`gemv_linears(model)` swaps, for the duration of a `with` block, forwards that send a single
+input row (a batch-1 decode step) to the kernels of `kernels/triton_gemv.py`, and anything
+else to what ran before. On exit the model's own forwards are back.
+- **Every `nn.Linear`**: one product, `oscarkv::gemv`. It is a torch custom op, so the MLP
+  forwards that `compiled_small_ops` compiles (where the MLP is not one of the gated ones
+  below) call it as one opaque kernel.
+- **The q, k and v projections of an attention module** (plain `nn.Linear`s of the same input
+  size, with biases on all three or none): the first of them called with a row computes all
+  three in one launch and keeps the other two outputs for their calls with the same input
+  tensor (`SharedInputProjections`). Called with any other input, a projection computes alone.
+- **A gated SiLU MLP** (`GATED_SILU_MLPS`: down(silu(gate(x)) * up(x)) without biases): one
+  launch for silu(gate·x) * up·x, then the down projection. Other rows go to the forward that
+  was in place when the block began (the compiled one inside `compiled_small_ops`).
 
-The static decode path uses it on CUDA when `CacheConfig.decode_gemv` is on (the default).
-The products sum in a different order from cuBLAS, so a logit can move by a BF16 ulp, as with
-the compiled small operations (docs/decode.md); decode_gemv=False keeps cuBLAS.
+On Hopper the launches overlap their predecessors (programmatic dependent launch; see
+`triton_gemv`). The static decode path uses all this on CUDA when `CacheConfig.decode_gemv` is
+on (the default). The products sum in a different order from cuBLAS, so a logit can move by a
+BF16 ulp, as with the compiled small operations (docs/decode.md); decode_gemv=False keeps cuBLAS.
 """
 
+from __future__ import annotations
+
+import functools
 import types
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) (transformers 5)
+GATED_SILU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
+
+
+@functools.cache
+def _overlaps(device_index: int) -> bool:
+    from ..kernels.hardware import programmatic_launch_supported
+
+    return programmatic_launch_supported(device_index)
+
+
+def _overlap(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and _overlaps(x.device.index or 0)
 
 
 @torch.library.custom_op("oscarkv::gemv", mutates_args=())
@@ -26,7 +53,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) ->
     from ..kernels.triton_gemv import launch_gemv
 
     out = torch.empty(weight.shape[0], dtype=x.dtype, device=x.device)
-    launch_gemv(x, weight, bias, out)
+    launch_gemv(x, weight, bias, out, overlap=_overlap(x))
     return out
 
 
@@ -54,17 +81,101 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+class SharedInputProjections:
+    """Linear layers that a module calls one after another on the same input (q, k, v): at one row,
+    the first call computes them all in one launch and the others take their outputs."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        self.source: torch.Tensor | None = None
+        self.pending: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def fits(linears: list[nn.Linear]) -> bool:
+        """Plain linears of one input size, dtype and device, with biases on all or none."""
+        first = linears[0]
+        return all(type(m) is nn.Linear and "forward" not in vars(m) for m in linears) and all(
+            m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+            and m.weight.device == first.weight.device and (m.bias is None) == (first.bias is None)
+            for m in linears)
+
+    def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if x is self.source and index in self.pending:
+            return self.pending.pop(index)
+        if not all(takes_gemv(m, x) for m in self.linears):
+            return _forward(self.linears[index], x)
+        from ..kernels.triton_gemv import launch_gemv
+
+        sizes = [m.out_features for m in self.linears]
+        flat = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
+        launch_gemv(x.reshape(-1).contiguous(), [m.weight for m in self.linears], [m.bias for m in self.linears],
+                    flat, overlap=_overlap(x))
+        outputs = [y.view(*x.shape[:-1], y.shape[0]) for y in flat.split(sizes)]
+        self.source = x
+        self.pending = {i: y for i, y in enumerate(outputs) if i != index}
+        return outputs[index]
+
+    def clear(self) -> None:
+        self.source, self.pending = None, {}
+
+
+def is_gated_silu_mlp(module: nn.Module) -> bool:
+    """A known gated MLP class with plain bias-free linears and a SiLU activation."""
+    linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return (type(module).__name__ in GATED_SILU_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES
+            and all(type(m) is nn.Linear and m.bias is None for m in linears))
+
+
+def _gated_silu_forward(self: nn.Module, previous: Callable, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj, self.up_proj
+    if not (takes_gemv(gate, x) and takes_gemv(up, x) and gate.weight.shape == up.weight.shape):
+        return previous(x)
+    from ..kernels.triton_gemv import launch_gemv_silu_mul
+
+    hidden = torch.empty(gate.out_features, dtype=x.dtype, device=x.device)
+    launch_gemv_silu_mul(x.reshape(-1).contiguous(), gate.weight, up.weight, hidden, overlap=_overlap(x))
+    return self.down_proj(hidden.view(*x.shape[:-1], gate.out_features))
+
+
+def attention_projections(module: nn.Module) -> list[nn.Linear] | None:
+    """A module's q, k and v projections where they can share one launch, else None."""
+    linears = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if any(m is None for m in linears) or not SharedInputProjections.fits(linears):
+        return None
+    return linears
+
+
 @contextmanager
 def gemv_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Run the model's single-row linear products through `oscarkv::gemv` inside the block."""
-    swapped = []
+    """Run the model's single-row linear products through the Triton kernels inside the block (see the
+    module doc). Enter it inside `compiled_small_ops`, so that other rows keep the compiled MLPs."""
+    swapped: list[tuple[nn.Module, Callable | None]] = []  # (module, its per-instance forward before)
+    groups: list[SharedInputProjections] = []
+
+    def swap(module: nn.Module, forward: Callable) -> None:
+        swapped.append((module, vars(module).get("forward")))
+        module.forward = forward
+
     try:
         if enabled:
             for module in model.modules():
+                projections = attention_projections(module)
+                if projections is not None:
+                    group = SharedInputProjections(projections)
+                    groups.append(group)
+                    for index, linear in enumerate(projections):
+                        swap(linear, functools.partial(group.forward, index))
+                if is_gated_silu_mlp(module):
+                    swap(module, functools.partial(_gated_silu_forward, module, module.forward))
+            for module in model.modules():
                 if type(module) is nn.Linear and "forward" not in vars(module):
-                    module.forward = types.MethodType(_forward, module)
-                    swapped.append(module)
+                    swap(module, types.MethodType(_forward, module))
         yield
     finally:
-        for module in swapped:
-            del module.forward
+        for group in groups:
+            group.clear()
+        for module, previous in reversed(swapped):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous

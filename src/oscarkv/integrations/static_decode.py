@@ -70,8 +70,8 @@ def uses_gemv(model) -> bool:
 def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
     """The static steps' own operations: compiled small ops (`fused_ops`) and batch-1 matrix-vector
     products (`gemv`), each where the model's CacheConfig asks for it."""
-    with gemv_linears(model, enabled and uses_gemv(model)), \
-            compiled_small_ops(model, enabled and compiles_small_ops(model)):
+    with compiled_small_ops(model, enabled and compiles_small_ops(model)), \
+            gemv_linears(model, enabled and uses_gemv(model)):  # inside: other batch sizes keep the compiled MLPs
         yield
 
 

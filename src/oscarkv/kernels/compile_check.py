@@ -36,7 +36,9 @@ SCORE_SHIFT_TYPES = dict(q_ptr=WINDOW, shift_ptr="*fp32", out_ptr="*fp32", qk_sc
 COMBINE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=WINDOW)
 ROTATE_TYPES = dict(q_ptr=WINDOW, r_ptr="*fp32", out_ptr=WINDOW, rows="i32", n="i32", stride_b="i32",
                     stride_h="i32", stride_n="i32")
-GEMV_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16", N="i32", K="i32", stride_w="i32")
+GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", b0_ptr="*bf16", b1_ptr="*bf16",
+                  b2_ptr="*bf16", y_ptr="*bf16", N0="i32", N1="i32", N2="i32")
+GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
 
 # (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
 # INT4 fallback, INT4 keys with INT2 values (sliced and plain paths), SmolLM2, Gemma3, INT4 group D/4,
@@ -125,9 +127,6 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                      {}))
         jobs.append((triton_attention._combine_kernel, COMBINE_TYPES,
                      dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32, WAIT=pdl), {}))
-        jobs.append((triton_gemv._gemv_kernel, GEMV_TYPES,
-                     dict(HAS_BIAS=False, BLOCK_N=triton_gemv.BLOCK_N, BLOCK_K=triton_gemv.BLOCK_K),
-                     dict(num_warps=4, num_stages=3)))
         jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))
@@ -137,6 +136,21 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             if verbose:
                 print(f"sm_{arch} {fn.__name__:<24} D={d} G={group} bits={key_bits}/{value_bits} "
                       f"ok ({seconds:.1f} s)", flush=True)
+    # batch-1 linear layers (model shapes, not cache configurations): q/k/v in one launch with biases, a
+    # row longer than one load, the gated MLP's first half
+    gemv = dict(BLOCK_N=triton_gemv.BLOCK_N, OVERLAP=arch >= 90)
+    for fn, types, constexprs in (
+            (triton_gemv._gemv_kernel, GEMV_TYPES,
+             dict(gemv, K=2560, KB=4096, SEGMENTS=3, HAS_BIAS=True, stride0=2560, stride1=2560, stride2=2560)),
+            (triton_gemv._gemv_kernel, GEMV_TYPES,
+             dict(gemv, K=40000, KB=triton_gemv.CHUNK, SEGMENTS=1, HAS_BIAS=False, stride0=40000, stride1=40000,
+                  stride2=40000)),
+            (triton_gemv._gemv_silu_mul_kernel, GEMV_SILU_TYPES,
+             dict(gemv, K=2560, KB=4096, stride_g=2560, stride_u=2560))):
+        seconds = _compile(fn, types, constexprs, arch, num_warps=4, num_stages=1)
+        count += 1
+        if verbose:
+            print(f"sm_{arch} {fn.__name__:<24} K={constexprs['K']} ok ({seconds:.1f} s)", flush=True)
     return count
 
 

@@ -34,21 +34,12 @@ import triton
 import triton.language as tl
 
 from .hardware import multiprocessors as _multiprocessors, programmatic_launch_supported
+from .triton_pdl import gdc_launch_dependents as _gdc_launch_dependents, gdc_wait as _gdc_wait
+from .triton_pdl import programmatic as _programmatic
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
 
-try:  # programmatic dependent launch (Hopper and later; Triton >= 3.3)
-    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
-    from triton.language.extra.cuda import gdc_wait as _gdc_wait
-except ImportError:  # never traced: the launcher passes OVERLAP=0 where these are missing
-    @triton.jit
-    def _gdc_launch_dependents():
-        pass
-
-    @triton.jit
-    def _gdc_wait():
-        pass
 UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·2^-24 (see _as_float16_units)
 
 
@@ -952,8 +943,11 @@ def _paged_attention_kernel(
 def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                     SPLIT_BLOCK: tl.constexpr, WAIT: tl.constexpr = False):
     """Merge the splits of one (token, query head): out = Σ w_s o_s / Σ w_s, w_s = 2^(lse_s - max).
-    WAIT: launched early (programmatic dependent launch), so wait for the splits first."""
+    WAIT: launched early (programmatic dependent launch), so wait for the splits first; the launch
+    after it (the output projection's matrix-vector product at batch 1) may start early in turn and
+    load its weights meanwhile."""
     if WAIT:
+        _gdc_launch_dependents()
         _gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLIT_BLOCK)
@@ -1079,7 +1073,3 @@ def lloyd_factors(inner: float | None) -> tuple[float, float]:
         return 0.0, 2.0**24
     return inner_kappa(inner), 3.0 * inner * 2.0**24
 
-
-def _programmatic(overlap: bool) -> dict:
-    """Launch options of a launch that may start before the one before it ends."""
-    return dict(launch_pdl=True) if overlap else {}
