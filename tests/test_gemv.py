@@ -95,7 +95,8 @@ def _count_launches(monkeypatch) -> list[str]:
     return launches
 
 
-@pytest.mark.parametrize("family,compiled", [("qwen3", False), ("qwen3", True), ("qwen2", False), ("gemma3", False)])
+@pytest.mark.parametrize("family,compiled", [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", False),
+                                             ("gemma3", False)])
 def test_model_forward_with_the_kernels(family, compiled, monkeypatch):
     """One decode token through a bfloat16 model: q/k/v in one launch, a gated SiLU MLP's gate and up
     in one (not Gemma's GELU MLP), the logits of F.linear within rounding; a two-row batch goes to what
@@ -116,6 +117,24 @@ def test_model_forward_with_the_kernels(family, compiled, monkeypatch):
     assert launches == (["launch_gemv", "launch_gemv"] + mlp) * layers + ["launch_gemv"]  # + the LM head
     assert torch.equal(got_pair, expected_pair)
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_swapped_modules_compute_what_they_replace(family):
+    """Module by module, on one row: q/k/v (one launch) and the gated MLP (silu·up in one launch, then
+    down) give their own forwards' outputs within a BF16 rounding of each product."""
+    model = tiny_model(family, dtype=torch.bfloat16, bias_scale=1.0 if family == "qwen2" else 0.0).to(DEVICE)
+    layer = model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(DEVICE,
+                                                                                                 torch.bfloat16)
+    with torch.no_grad():
+        expected = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x), mlp(x)]
+        with gemv_linears(model):
+            got = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x), mlp(x)]
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g.float(), e.float(), rtol=2.0**-6, atol=2.0**-6 * e.abs().max().item())
 
 
 def test_shared_projections_give_each_input_its_own_outputs():
