@@ -30,6 +30,7 @@ from transformers import GenerationConfig
 from ..errors import OscarError
 from .fused_ops import compiled_small_ops
 from .gemv import gemv_linears
+from .norms import triton_norms
 from .slots import DenseSlotCache, PagedSlotCache
 from .transformers import cache_keyword
 
@@ -68,10 +69,12 @@ def uses_gemv(model) -> bool:
 
 @contextmanager
 def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
-    """The static steps' own operations: compiled small ops (`fused_ops`) and batch-1 matrix-vector
-    products (`gemv`), each where the model's CacheConfig asks for it."""
-    with compiled_small_ops(model, enabled and compiles_small_ops(model)), \
-            gemv_linears(model, enabled and uses_gemv(model)):  # inside: other batch sizes keep the compiled MLPs
+    """The static steps' own operations: compiled small ops (`fused_ops`) with the Triton RMSNorm (`norms`),
+    and batch-1 matrix-vector products (`gemv`), each where the model's CacheConfig asks for it."""
+    small_ops = enabled and compiles_small_ops(model)
+    # inside the compiled ops: rows the kernels do not take keep the compiled norms and MLPs
+    with compiled_small_ops(model, small_ops), triton_norms(model, small_ops), \
+            gemv_linears(model, enabled and uses_gemv(model)):
         yield
 
 

@@ -39,6 +39,7 @@ ROTATE_TYPES = dict(q_ptr=WINDOW, r_ptr="*fp32", out_ptr=WINDOW, rows="i32", n="
 GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", b0_ptr="*bf16", b1_ptr="*bf16",
                   b2_ptr="*bf16", y_ptr="*bf16", N0="i32", N1="i32", N2="i32")
 GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
+NORM_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", eps="fp32")
 
 # (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
 # INT4 fallback, INT4 keys with INT2 values (sliced and plain paths), SmolLM2, Gemma3, INT4 group D/4,
@@ -74,7 +75,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         raise RuntimeError("TRITON_INTERPRET=1 replaces the kernels by interpreted functions; unset it to compile.")
     import triton.language as tl
 
-    from . import triton_attention, triton_dense, triton_gemv, triton_rotate, triton_write
+    from . import triton_attention, triton_dense, triton_gemv, triton_norm, triton_rotate, triton_write
     from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
@@ -137,20 +138,22 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                 print(f"sm_{arch} {fn.__name__:<24} D={d} G={group} bits={key_bits}/{value_bits} "
                       f"ok ({seconds:.1f} s)", flush=True)
     # batch-1 linear layers (model shapes, not cache configurations): q/k/v in one launch with biases, a
-    # row longer than one load, the gated MLP's first half
+    # row longer than one load, the gated MLP's first half; the decode steps' RMSNorm
     gemv = dict(BLOCK_N=triton_gemv.BLOCK_N, OVERLAP=arch >= 90)
-    for fn, types, constexprs in (
+    for fn, types, constexprs, label in (
             (triton_gemv._gemv_kernel, GEMV_TYPES,
-             dict(gemv, K=2560, KB=4096, SEGMENTS=3, HAS_BIAS=True, stride0=2560, stride1=2560, stride2=2560)),
+             dict(gemv, K=2560, KB=4096, SEGMENTS=3, HAS_BIAS=True, stride0=2560, stride1=2560, stride2=2560),
+             "K=2560"),
             (triton_gemv._gemv_kernel, GEMV_TYPES,
              dict(gemv, K=40000, KB=triton_gemv.CHUNK, SEGMENTS=1, HAS_BIAS=False, stride0=40000, stride1=40000,
-                  stride2=40000)),
+                  stride2=40000), "K=40000"),
             (triton_gemv._gemv_silu_mul_kernel, GEMV_SILU_TYPES,
-             dict(gemv, K=2560, KB=4096, stride_g=2560, stride_u=2560))):
+             dict(gemv, K=2560, KB=4096, stride_g=2560, stride_u=2560), "K=2560"),
+            (triton_norm._rms_norm_kernel, NORM_TYPES, dict(BLOCK=4096, OVERLAP=arch >= 90), "N=2560")):
         seconds = _compile(fn, types, constexprs, arch, num_warps=4, num_stages=1)
         count += 1
         if verbose:
-            print(f"sm_{arch} {fn.__name__:<24} K={constexprs['K']} ok ({seconds:.1f} s)", flush=True)
+            print(f"sm_{arch} {fn.__name__:<24} {label} ok ({seconds:.1f} s)", flush=True)
     return count
 
 

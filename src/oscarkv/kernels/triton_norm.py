@@ -1,0 +1,45 @@
+"""Triton kernel: RMSNorm of a decode step's rows, launched to overlap the kernels around it.
+
+y = w * round(x · rsqrt(mean(x²) + eps)), as the RMSNorm of Llama, Mistral, Qwen2 and Qwen3 computes
+it: x in float32, the normalized row rounded to x's dtype, then multiplied by the weight and rounded
+again. One program per row; BLOCK covers the row in one masked load.
+
+With `overlap` (programmatic dependent launch, `triton_pdl`) the launch may start while the kernel
+before it ends, and it lets the launch after it start early in turn: at batch 1 that is the
+matrix-vector product of q/k/v, of the MLP's gate and up, or of the LM head (`triton_gemv`), which
+then loads its weights while the norm runs. Reference: the modules' own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_pdl import gdc_launch_dependents, gdc_wait, programmatic
+from .triton_write import _round_to
+
+NORM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, OVERLAP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if OVERLAP:
+        gdc_launch_dependents()
+        gdc_wait()
+    x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    normed = _round_to(x * tl.math.rsqrt(tl.sum(x * x, 0) / N + eps), dtype)
+    tl.store(y_ptr + row * N + cols, _round_to(w * normed, dtype).to(dtype), mask=ok)
+
+
+def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                    overlap: bool = False) -> None:
+    """out = RMSNorm(x) over the last dimension; x and out contiguous, weight [N] of x's dtype."""
+    n = x.shape[-1]
+    _rms_norm_kernel[(x.numel() // n,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), OVERLAP=overlap,
+                                        num_warps=4 if n >= 1024 else 1, **programmatic(overlap))
