@@ -40,26 +40,64 @@ def test_kernel_matches_the_module(rows, n, scale, dtype):
     assert (out == expected).float().mean() > 0.95
 
 
-def test_swapped_norms_and_fallbacks(monkeypatch):
-    """A bfloat16 model's norms (layer norms, q/k norms, the final norm) run the kernel and give the model's
-    logits within rounding; float32 rows go to the forward that was there; the forwards come back."""
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_swapped_norms_and_fallbacks(family, monkeypatch):
+    """A bfloat16 model's norms run the kernel, each once per forward: a layer's residual adds go into the
+    launches of the norm after attention and of the next layer's (or the final) norm. The logits are the
+    model's within rounding; float32 rows go to the forwards that were there; the forwards come back."""
     from oscarkv.kernels import triton_norm
 
     launches = []
     launch = triton_norm.launch_rms_norm
-    monkeypatch.setattr(triton_norm, "launch_rms_norm", lambda *a, **kw: (launches.append(a[0].shape), launch(*a, **kw)))
-    model = tiny_model("qwen3", dtype=torch.bfloat16).to(DEVICE)
+    monkeypatch.setattr(triton_norm, "launch_rms_norm",
+                        lambda *a, **kw: (launches.append(kw.get("residual") is not None), launch(*a, **kw)))
+    model = tiny_model(family, dtype=torch.bfloat16, layers=3).to(DEVICE)
     norms = [m for m in model.modules() if is_known_rms_norm(m)]
     ids = torch.randint(0, 128, (1, 3), device=DEVICE)
     with torch.no_grad():
         expected = model(ids).logits.float()
         with triton_norms(model):
             got = model(ids).logits.float()
-            assert len(launches) == len(norms)  # 2 layer norms and q/k norms per layer, and the final norm
+            assert len(launches) == len(norms)
+            assert sum(launches) == 2 * 3  # two adds per layer
             model.model.norm(torch.randn(2, model.config.hidden_size, device=DEVICE))  # float32: not the kernel
             assert len(launches) == len(norms)
     assert not any("forward" in vars(m) for m in model.modules())
     torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0)
+
+
+def test_float32_layers_keep_their_own_forward():
+    model = tiny_model("qwen3", layers=2).to(DEVICE)
+    ids = torch.randint(0, 128, (2, 5), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with triton_norms(model):
+            got = model(ids).logits
+    assert torch.equal(got, expected)
+
+
+def test_kernel_with_a_residual_adds_as_eager_then_normalizes():
+    from oscarkv.kernels.triton_norm import launch_rms_norm
+
+    norm = _norm(256, torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    x, r = (torch.randn(2, 256, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    out, summed = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, residual=r, summed=summed)
+    assert torch.equal(summed, r + x)
+    with torch.no_grad():
+        torch.testing.assert_close(out.float(), norm(r + x).float(), rtol=2.0**-7, atol=0)
+
+
+def test_norms_computed_ahead_serve_only_their_input():
+    from oscarkv.integrations.norms import NormAhead
+
+    ahead, norm, other = NormAhead(), torch.nn.Identity(), torch.nn.Identity()
+    x, y, result = torch.zeros(3), torch.zeros(3), torch.ones(3)
+    ahead.kept[norm] = (x, result)
+    assert ahead.take(norm, y) is None and ahead.take(other, x) is None  # an equal tensor, another norm
+    assert ahead.take(norm, x) is result
+    assert ahead.take(norm, x) is None  # taken once
 
 
 def test_only_known_norm_classes():

@@ -8,9 +8,20 @@ forwards are back.
 
 What it adds over the compiled norm is the overlap: on Hopper the kernel lets the launch after it
 start early, so the matrix-vector products that follow a norm at batch 1 (q/k/v, the MLP's gate and
-up, the LM head) load their weights while it runs. The static decode path uses it with
-`CacheConfig.compile_small_ops` (docs/decode.md). Like the compiled norm, it can round a BF16 value
-differently from eager PyTorch (the order of the sum, the rsqrt approximation).
+up, the LM head) load their weights while it runs.
+
+It also folds the residual adds into the norms, for decoder layers of a known class
+(`DECODER_LAYERS`: Llama, Mistral, Qwen2, Qwen3, whose forward is norm → attention → add → norm →
+MLP → add): their forward is swapped for one that computes the add after attention together with
+the post-attention norm, and the add after the MLP together with the next norm (the next layer's
+input norm, or the model's final norm). That next norm's result is kept for its module
+(`NormAhead`) and taken by its forward when it is called with the very sum tensor it was computed
+from; called with anything else, it computes as usual. Rows the kernel does not take run the
+layer's own forward.
+
+The static decode path uses all this with `CacheConfig.compile_small_ops` (docs/decode.md). Like
+the compiled norm, it can round a BF16 value differently from eager PyTorch (the order of the sum,
+the rsqrt approximation); the adds round as eager's do.
 """
 
 from __future__ import annotations
@@ -42,29 +53,110 @@ def takes_triton_norm(module: nn.Module, x: torch.Tensor) -> bool:
             and resolve_backend("auto", x.device) == "triton")
 
 
-def _forward(self: nn.Module, previous: Callable, x: torch.Tensor) -> torch.Tensor:
-    if not takes_triton_norm(self, x):
-        return previous(x)
+# classes whose forward is: residual = h; h = input_layernorm(h); h = self_attn(hidden_states=h, **kwargs)[0];
+# h = residual + h; residual = h; h = post_attention_layernorm(h); h = mlp(h); return residual + h
+DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+
+
+class NormAhead:
+    """Norm results computed ahead, one per norm module: (the input tensor, the result)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def take(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        source, result = self.kept.get(norm, (None, None))
+        if source is not x:
+            return None
+        del self.kept[norm]
+        return result
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
+    """norm(x), or with a residual (residual + x, norm(residual + x)), by the kernel."""
     from ..kernels.triton_norm import launch_rms_norm
     from .gemv import _overlap
 
     out = torch.empty_like(x)
-    launch_rms_norm(x, self.weight, self.variance_epsilon, out, overlap=_overlap(x))
-    return out
+    if residual is None:
+        launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, overlap=_overlap(x))
+        return out
+    summed = torch.empty_like(x)
+    launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, overlap=_overlap(x), residual=residual, summed=summed)
+    return summed, out
+
+
+def _forward_with_ahead(self: nn.Module, ahead: NormAhead, previous: Callable, x: torch.Tensor) -> torch.Tensor:
+    kept = ahead.take(self, x)
+    if kept is not None:
+        return kept
+    if not takes_triton_norm(self, x):
+        return previous(x)
+    return _rms_norm(self, x)
+
+
+def _fits(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    return (takes_triton_norm(norm, x) and residual.shape == x.shape and residual.dtype == x.dtype
+            and residual.is_contiguous())
+
+
+def _layer_forward(layer: nn.Module, next_norm: nn.Module | None, ahead: NormAhead, previous: Callable,
+                   *args, **kwargs) -> torch.Tensor:
+    hidden = kwargs.pop("hidden_states", None) if not args else args[0]
+    if len(args) > 1 or hidden is None or not takes_triton_norm(layer.post_attention_layernorm, hidden):
+        return previous(*args, **kwargs) if args else previous(hidden_states=hidden, **kwargs)
+    residual = hidden
+    hidden, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kwargs)
+    if not _fits(layer.post_attention_layernorm, hidden, residual):
+        hidden = residual + hidden
+        residual, hidden = hidden, layer.post_attention_layernorm(hidden)
+    else:
+        residual, hidden = _rms_norm(layer.post_attention_layernorm, hidden, residual)
+    hidden = layer.mlp(hidden)
+    if next_norm is None or not _fits(next_norm, hidden, residual):
+        return residual + hidden
+    summed, normed = _rms_norm(next_norm, hidden, residual)
+    ahead.kept[next_norm] = (summed, normed)
+    return summed
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module | None]]:
+    """(layer, the norm its output goes to next) for the known decoder layers of each layer stack whose
+    norms are known RMSNorms: the next layer's input norm, the stack's final norm, or None."""
+    found = []
+    for stack in model.modules():
+        layers, final = getattr(stack, "layers", None), getattr(stack, "norm", None)
+        if not isinstance(layers, nn.ModuleList) or not all(
+                type(m).__name__ in DECODER_LAYERS and is_known_rms_norm(m.input_layernorm)
+                and is_known_rms_norm(m.post_attention_layernorm) for m in layers):
+            continue
+        nexts = [m.input_layernorm for m in list(layers)[1:]] + [final if final is not None and
+                                                                 is_known_rms_norm(final) else None]
+        found += list(zip(layers, nexts))
+    return found
 
 
 @contextmanager
 def triton_norms(model: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Run the model's known RMSNorms through the Triton kernel inside the block (see the module doc)."""
+    """Run the model's known RMSNorms through the Triton kernel, with the residual adds of known decoder layers
+    folded in, inside the block (see the module doc)."""
     swapped: list[tuple[nn.Module, Callable | None]] = []
+    ahead = NormAhead()
+
+    def swap(module: nn.Module, forward: Callable, *bound) -> None:
+        swapped.append((module, vars(module).get("forward")))
+        module.forward = functools.partial(forward, module, *bound, module.forward)
+
     try:
         if enabled:
+            for layer, next_norm in decoder_layers(model):
+                swap(layer, _layer_forward, next_norm, ahead)
             for module in model.modules():
                 if is_known_rms_norm(module):
-                    swapped.append((module, vars(module).get("forward")))
-                    module.forward = functools.partial(_forward, module, module.forward)
+                    swap(module, _forward_with_ahead, ahead)
         yield
     finally:
+        ahead.kept.clear()
         for module, previous in reversed(swapped):
             if previous is None:
                 del module.forward

@@ -39,7 +39,7 @@ ROTATE_TYPES = dict(q_ptr=WINDOW, r_ptr="*fp32", out_ptr=WINDOW, rows="i32", n="
 GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", b0_ptr="*bf16", b1_ptr="*bf16",
                   b2_ptr="*bf16", y_ptr="*bf16", N0="i32", N1="i32", N2="i32")
 GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
-NORM_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", eps="fp32")
+NORM_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", eps="fp32", r_ptr="*bf16", sum_ptr="*bf16")
 
 # (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
 # INT4 fallback, INT4 keys with INT2 values (sliced and plain paths), SmolLM2, Gemma3, INT4 group D/4,
@@ -149,7 +149,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                   stride2=40000), "K=40000"),
             (triton_gemv._gemv_silu_mul_kernel, GEMV_SILU_TYPES,
              dict(gemv, K=2560, KB=4096, stride_g=2560, stride_u=2560), "K=2560"),
-            (triton_norm._rms_norm_kernel, NORM_TYPES, dict(BLOCK=4096, OVERLAP=arch >= 90), "N=2560")):
+            (triton_norm._rms_norm_kernel, NORM_TYPES, dict(BLOCK=4096, OVERLAP=arch >= 90, RESIDUAL=True),
+             "N=2560, residual")):
         seconds = _compile(fn, types, constexprs, arch, num_warps=4, num_stages=1)
         count += 1
         if verbose:

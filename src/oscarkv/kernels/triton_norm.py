@@ -2,7 +2,9 @@
 
 y = w * round(x · rsqrt(mean(x²) + eps)), as the RMSNorm of Llama, Mistral, Qwen2 and Qwen3 computes
 it: x in float32, the normalized row rounded to x's dtype, then multiplied by the weight and rounded
-again. One program per row; BLOCK covers the row in one masked load.
+again. One program per row; BLOCK covers the row in one masked load. With a residual, the kernel
+first adds it (rounded as eager PyTorch's bfloat16 add rounds) and stores the sum: a decoder
+layer's residual add and the norm after it in one launch.
 
 With `overlap` (programmatic dependent launch, `triton_pdl`) the launch may start while the kernel
 before it ends, and it lets the launch after it start early in turn: at batch 1 that is the
@@ -23,7 +25,9 @@ NORM_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, OVERLAP: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, r_ptr, sum_ptr, BLOCK: tl.constexpr, OVERLAP: tl.constexpr,
+                     RESIDUAL: tl.constexpr = False):
+    """RESIDUAL: first x = round(r + x), stored to sum_ptr (a decoder layer's residual add), then the norm."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -33,13 +37,19 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, OVERLAP: 
         gdc_wait()
     x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
+    if RESIDUAL:
+        x = _round_to(tl.load(r_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32) + x, dtype)
+        tl.store(sum_ptr + row * N + cols, x.to(dtype), mask=ok)
     normed = _round_to(x * tl.math.rsqrt(tl.sum(x * x, 0) / N + eps), dtype)
     tl.store(y_ptr + row * N + cols, _round_to(w * normed, dtype).to(dtype), mask=ok)
 
 
-def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
-                    overlap: bool = False) -> None:
-    """out = RMSNorm(x) over the last dimension; x and out contiguous, weight [N] of x's dtype."""
+def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, overlap: bool = False,
+                    residual: torch.Tensor | None = None, summed: torch.Tensor | None = None) -> None:
+    """out = RMSNorm(x) over the last dimension; x and out contiguous, weight [N] of x's dtype. With `residual`
+    (x's shape, contiguous): summed = residual + x, and out = RMSNorm(summed)."""
     n = x.shape[-1]
-    _rms_norm_kernel[(x.numel() // n,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), OVERLAP=overlap,
+    extra = (residual, summed) if residual is not None else (x, out)
+    _rms_norm_kernel[(x.numel() // n,)](x, weight, out, n, eps, *extra, BLOCK=triton.next_power_of_2(n),
+                                        OVERLAP=overlap, RESIDUAL=residual is not None,
                                         num_warps=4 if n >= 1024 else 1, **programmatic(overlap))
