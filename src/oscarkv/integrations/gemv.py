@@ -31,20 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.hardware import overlaps_launches
+from .swaps import forward_swaps
+
 # MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) (transformers 5)
 GATED_SILU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
-
-
-@functools.cache
-def _overlaps(device_index: int) -> bool:
-    from ..kernels.hardware import programmatic_launch_supported
-
-    return programmatic_launch_supported(device_index)
-
-
-def _overlap(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and _overlaps(x.device.index or 0)
 
 
 @torch.library.custom_op("oscarkv::gemv", mutates_args=())
@@ -53,7 +45,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) ->
     from ..kernels.triton_gemv import launch_gemv
 
     out = torch.empty(weight.shape[0], dtype=x.dtype, device=x.device)
-    launch_gemv(x, weight, bias, out, overlap=_overlap(x))
+    launch_gemv(x, weight, bias, out, overlap=overlaps_launches(x))
     return out
 
 
@@ -109,7 +101,7 @@ class SharedInputProjections:
         sizes = [m.out_features for m in self.linears]
         flat = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
         launch_gemv(x.reshape(-1).contiguous(), [m.weight for m in self.linears], [m.bias for m in self.linears],
-                    flat, overlap=_overlap(x))
+                    flat, overlap=overlaps_launches(x))
         outputs = [y.view(*x.shape[:-1], y.shape[0]) for y in flat.split(sizes)]
         self.source = x
         self.pending = {i: y for i, y in enumerate(outputs) if i != index}
@@ -133,7 +125,7 @@ def _gated_silu_forward(self: nn.Module, previous: Callable, x: torch.Tensor) ->
     from ..kernels.triton_gemv import launch_gemv_silu_mul
 
     hidden = torch.empty(gate.out_features, dtype=x.dtype, device=x.device)
-    launch_gemv_silu_mul(x.reshape(-1).contiguous(), gate.weight, up.weight, hidden, overlap=_overlap(x))
+    launch_gemv_silu_mul(x.reshape(-1).contiguous(), gate.weight, up.weight, hidden, overlap=overlaps_launches(x))
     return self.down_proj(hidden.view(*x.shape[:-1], gate.out_features))
 
 
@@ -149,33 +141,23 @@ def attention_projections(module: nn.Module) -> list[nn.Linear] | None:
 def gemv_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Run the model's single-row linear products through the Triton kernels inside the block (see the
     module doc). Enter it inside `compiled_small_ops`, so that other rows keep the compiled MLPs."""
-    swapped: list[tuple[nn.Module, Callable | None]] = []  # (module, its per-instance forward before)
     groups: list[SharedInputProjections] = []
-
-    def swap(module: nn.Module, forward: Callable) -> None:
-        swapped.append((module, vars(module).get("forward")))
-        module.forward = forward
-
     try:
-        if enabled:
-            for module in model.modules():
-                projections = attention_projections(module)
-                if projections is not None:
-                    group = SharedInputProjections(projections)
-                    groups.append(group)
-                    for index, linear in enumerate(projections):
-                        swap(linear, functools.partial(group.forward, index))
-                if is_gated_silu_mlp(module):
-                    swap(module, functools.partial(_gated_silu_forward, module, module.forward))
-            for module in model.modules():
-                if type(module) is nn.Linear and "forward" not in vars(module):
-                    swap(module, types.MethodType(_forward, module))
-        yield
+        with forward_swaps() as swap:
+            if enabled:
+                for module in model.modules():
+                    projections = attention_projections(module)
+                    if projections is not None:
+                        group = SharedInputProjections(projections)
+                        groups.append(group)
+                        for index, linear in enumerate(projections):
+                            swap(linear, functools.partial(group.forward, index))
+                    if is_gated_silu_mlp(module):
+                        swap(module, functools.partial(_gated_silu_forward, module, module.forward))
+                for module in model.modules():
+                    if type(module) is nn.Linear and "forward" not in vars(module):
+                        swap(module, types.MethodType(_forward, module))
+            yield
     finally:
         for group in groups:
             group.clear()
-        for module, previous in reversed(swapped):
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous

@@ -33,6 +33,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ..kernels.hardware import overlaps_launches
+from .swaps import forward_swaps
+
 # classes whose forward is weight * (x.float() * rsqrt(mean(x²) + variance_epsilon)).to(x.dtype)
 RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
@@ -75,14 +78,13 @@ class NormAhead:
 def _rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
     """norm(x), or with a residual (residual + x, norm(residual + x)), by the kernel."""
     from ..kernels.triton_norm import launch_rms_norm
-    from .gemv import _overlap
 
     out = torch.empty_like(x)
     if residual is None:
-        launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, overlap=_overlap(x))
+        launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, overlap=overlaps_launches(x))
         return out
     summed = torch.empty_like(x)
-    launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, overlap=_overlap(x), residual=residual, summed=summed)
+    launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, overlap=overlaps_launches(x), residual=residual, summed=summed)
     return summed, out
 
 
@@ -140,25 +142,15 @@ def decoder_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module | None]]
 def triton_norms(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Run the model's known RMSNorms through the Triton kernel, with the residual adds of known decoder layers
     folded in, inside the block (see the module doc)."""
-    swapped: list[tuple[nn.Module, Callable | None]] = []
     ahead = NormAhead()
-
-    def swap(module: nn.Module, forward: Callable, *bound) -> None:
-        swapped.append((module, vars(module).get("forward")))
-        module.forward = functools.partial(forward, module, *bound, module.forward)
-
     try:
-        if enabled:
-            for layer, next_norm in decoder_layers(model):
-                swap(layer, _layer_forward, next_norm, ahead)
-            for module in model.modules():
-                if is_known_rms_norm(module):
-                    swap(module, _forward_with_ahead, ahead)
-        yield
+        with forward_swaps() as swap:
+            if enabled:
+                for layer, next_norm in decoder_layers(model):
+                    swap(layer, functools.partial(_layer_forward, layer, next_norm, ahead, layer.forward))
+                for module in model.modules():
+                    if is_known_rms_norm(module):
+                        swap(module, functools.partial(_forward_with_ahead, module, ahead, module.forward))
+            yield
     finally:
         ahead.kept.clear()
-        for module, previous in reversed(swapped):
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous

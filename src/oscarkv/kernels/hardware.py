@@ -26,3 +26,8 @@ def programmatic_launch_supported(device_index: int) -> bool:
     except ImportError:
         return False
     return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+def overlaps_launches(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device use programmatic dependent launch (CUDA, Hopper or later)."""
+    return x.device.type == "cuda" and programmatic_launch_supported(x.device.index or 0)
