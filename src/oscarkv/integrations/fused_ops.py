@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..models import attention_modules
+from .swaps import forward_swaps
 
 ROTARY_FUNCTION = "apply_rotary_pos_emb"
 # (the model's class or function, torch.compile backend) -> its compiled version
@@ -97,22 +98,19 @@ def compiled_small_ops(model: nn.Module, enabled: bool = True, backend: str = "i
     if not enabled or not can_compile():
         yield
         return
-    swapped_forwards = []
     swapped_functions = []
     try:
-        for module in small_op_modules(model):
-            if "forward" in vars(module):  # someone else's per-instance forward: leave it
-                continue
-            cls = type(module)
-            module.forward = types.MethodType(_compile(cls, cls.forward, backend), module)
-            swapped_forwards.append(module)
-        for namespace in rotary_namespaces(model):
-            original = getattr(namespace, ROTARY_FUNCTION)
-            setattr(namespace, ROTARY_FUNCTION, _compile(original, original, backend))
-            swapped_functions.append((namespace, original))
-        yield
+        with forward_swaps() as swap:
+            for module in small_op_modules(model):
+                if "forward" in vars(module):  # someone else's per-instance forward: leave it
+                    continue
+                cls = type(module)
+                swap(module, types.MethodType(_compile(cls, cls.forward, backend), module))
+            for namespace in rotary_namespaces(model):
+                original = getattr(namespace, ROTARY_FUNCTION)
+                setattr(namespace, ROTARY_FUNCTION, _compile(original, original, backend))
+                swapped_functions.append((namespace, original))
+            yield
     finally:
-        for module in swapped_forwards:
-            del module.forward
         for namespace, original in swapped_functions:
             setattr(namespace, ROTARY_FUNCTION, original)
