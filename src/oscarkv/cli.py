@@ -621,10 +621,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill", type=int, default=32768, help="prompt tokens of the prefill timing (0: skip)")
     b.add_argument("--steps", type=int, default=128, help="decode steps timed per run")
     b.add_argument("--eager-small-ops", action="store_true",
-                   help="run the norms, MLPs and rotary embedding as eager PyTorch in the decode steps "
-                        "(default: compiled by torch.compile, CacheConfig.compile_small_ops)")
+                   help="run the norms, MLPs, rotary embedding and residual adds as eager PyTorch in the decode "
+                        "steps (default: compiled by torch.compile, the RMSNorms as a Triton kernel with the "
+                        "residual adds, CacheConfig.compile_small_ops)")
     b.add_argument("--cublas", action="store_true",
-                   help="run batch-1 linear layers through cuBLAS (default: the Triton matrix-vector kernel, "
+                   help="run batch-1 linear layers through cuBLAS (default: the Triton matrix-vector kernels, "
                         "CacheConfig.decode_gemv)")
     b.add_argument("--save", default=None, help="write the results to this JSON file")
     b.add_argument("--plot", default=None, help="write the tokens/s vs context plot to this PNG")
@@ -652,12 +653,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run every decode step eagerly instead of replaying a CUDA graph per batch size")
     p.add_argument("--eager-small-ops", action="store_true",
-                   help="on CUDA, run the model's norms, MLPs and rotary embedding as eager PyTorch in the decode "
-                        "graphs (default: compiled by torch.compile; with --cublas, eager gives transformers' "
-                        "rounding exactly)")
+                   help="on CUDA, run the model's norms, MLPs, rotary embedding and residual adds as eager "
+                        "PyTorch in the decode graphs (default: compiled by torch.compile, the RMSNorms as a Triton "
+                        "kernel with the residual adds; with --cublas, eager gives transformers' rounding exactly)")
     p.add_argument("--cublas", action="store_true",
                    help="on CUDA, run batch-1 decode steps' linear layers through cuBLAS (default: the Triton "
-                        "matrix-vector kernel, CacheConfig.decode_gemv)")
+                        "matrix-vector kernels, CacheConfig.decode_gemv)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="on CUDA, skip running every batch size once before serving (kernels then compile "
                         "during the first requests)")
