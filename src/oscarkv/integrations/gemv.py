@@ -112,15 +112,16 @@ class SharedInputProjections:
 
 
 def is_gated_silu_mlp(module: nn.Module) -> bool:
-    """A known gated MLP class with plain bias-free linears and a SiLU activation."""
+    """A known gated MLP class with plain bias-free linears, gate and up of one shape, and a SiLU activation."""
     linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     return (type(module).__name__ in GATED_SILU_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES
-            and all(type(m) is nn.Linear and m.bias is None for m in linears))
+            and all(type(m) is nn.Linear and m.bias is None for m in linears)
+            and linears[0].weight.shape == linears[1].weight.shape)
 
 
 def _gated_silu_forward(self: nn.Module, previous: Callable, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj, self.up_proj
-    if not (takes_gemv(gate, x) and takes_gemv(up, x) and gate.weight.shape == up.weight.shape):
+    if not (takes_gemv(gate, x) and takes_gemv(up, x)):
         return previous(x)
     from ..kernels.triton_gemv import launch_gemv_silu_mul
 
