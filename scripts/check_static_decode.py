@@ -49,7 +49,7 @@ def step_ms(model, prompt, new: int, graphs: bool) -> float:
     return 1e3 * (time.perf_counter() - started) / new
 
 
-def profile(model, prompt, steps: int = 8) -> None:
+def profile(model, prompt, steps: int = 8, layer_kernels: int = 0) -> None:
     """The GPU kernels of `steps` eager static steps, by total time (torch.profiler)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -63,6 +63,13 @@ def profile(model, prompt, steps: int = 8) -> None:
     print(f"kernels per step {len(kernels) / steps:.0f}, sum of kernel times per step {total_us / steps / 1e3:.3f} ms",
           flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    if layer_kernels:
+        # the kernels of one step in launch order, from the middle of the step (one decoder layer and more)
+        ordered = sorted(kernels, key=lambda e: e.time_range.start)
+        per_step = len(ordered) // steps
+        middle = ordered[(steps - 1) * per_step + per_step // 2:][:layer_kernels]
+        for e in middle:
+            print(f"  {e.time_range.elapsed_us():7.1f} us  {e.name[:100]}")
 
 
 def main() -> None:
@@ -73,6 +80,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="also print the GPU kernels of 8 static steps")
     parser.add_argument("--profile-only", action="store_true", help="only the kernel profile, no equality checks")
+    parser.add_argument("--layer-kernels", type=int, default=0,
+                        help="with the profile, also list this many kernels of one step in launch order")
     args = parser.parse_args()
     model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
     torch.manual_seed(0)
@@ -83,7 +92,7 @@ def main() -> None:
         oscarkv.patch(model, method=method)
         if args.profile_only:
             print(f"{method}, batch {args.batch}, prompt {args.prompt}:")
-            profile(model, prompt)
+            profile(model, prompt, layer_kernels=args.layer_kernels)
             continue
         state = model.oscar
         outputs = {}

@@ -92,7 +92,9 @@ class CacheConfig:
         embedding compiled by torch.compile, a few fused kernels instead of about forty small
         ones per layer (`oscarkv.integrations.fused_ops`), and the RMSNorms of Llama, Mistral and
         Qwen models as oscarkv's Triton kernel with the decoder layers' residual adds folded in
-        (`oscarkv.integrations.norms`); False runs them as eager PyTorch.
+        (`oscarkv.integrations.norms`), and the attention's q/k norms, rotary embedding and query
+        rotation in one Triton launch (`oscarkv.integrations.decode_attention`); False runs them
+        as eager PyTorch.
     decode_gemv: the static decode path (CUDA) runs a batch-1 step's linear layers as Triton
         matrix-vector products instead of cuBLAS, q/k/v and a gated MLP's gate/up in one launch
         each (`oscarkv.integrations.gemv`); False keeps cuBLAS.

@@ -54,6 +54,16 @@ class AttendingLayer(DynamicLayer):
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
 
+    @property
+    def query_rotation(self) -> torch.Tensor | None:
+        """What a decode step's queries are multiplied by before `attend_decode` (None: nothing)."""
+        return None
+
+    def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        """query: [B, Hq, D], one token per row, already times `query_rotation` -> [B, Hq, D]."""
+        b, hq, d = query.shape
+        return self.attend(query.view(b, hq, 1, d), scaling, sliding_window).reshape(b, hq, d)
+
 
 class PagedOscarLayer(AttendingLayer):
     """One layer: its write spec, and the step's rotated keys and values for the attention."""
@@ -104,10 +114,20 @@ class PagedOscarLayer(AttendingLayer):
         if self.fresh_kv is not None and not (sliding_window and sliding_window < n):
             return causal_attention(query, *self.fresh_kv, scaling)
         q = rotate_queries(query, self.k_rotation, backend=self.owner.backend)
-        out = attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
-                          scaling, sliding_window or 0, backend=self.owner.backend,
-                          max_context=self.owner.max_context, validate=False)
-        return out.reshape(b, n, hq, d)
+        return self._attend_rotated(q, scaling, sliding_window).reshape(b, n, hq, d)
+
+    @property
+    def query_rotation(self) -> torch.Tensor | None:
+        return self.k_rotation
+
+    def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        return self._attend_rotated(query, scaling, sliding_window)
+
+    def _attend_rotated(self, q: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        """q: [B·n, Hq, D] times R_K -> [B·n, Hq, D], over the cache and the step's own tokens."""
+        return attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
+                           scaling, sliding_window or 0, backend=self.owner.backend,
+                           max_context=self.owner.max_context, validate=False)
 
     def get_seq_length(self) -> int:
         return self.length

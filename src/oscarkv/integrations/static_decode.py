@@ -28,6 +28,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..errors import OscarError
+from .decode_attention import fused_decode_attention
 from .fused_ops import compiled_small_ops
 from .gemv import gemv_linears
 from .norms import triton_norms
@@ -69,12 +70,13 @@ def uses_gemv(model) -> bool:
 
 @contextmanager
 def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
-    """The static steps' own operations: compiled small ops (`fused_ops`) with the Triton RMSNorm (`norms`),
-    and batch-1 matrix-vector products (`gemv`), each where the model's CacheConfig asks for it."""
+    """The static steps' own operations: compiled small ops (`fused_ops`) with the Triton RMSNorm (`norms`) and
+    the attention's queries and keys prepared in one launch (`decode_attention`), and batch-1 matrix-vector
+    products (`gemv`), each where the model's CacheConfig asks for it."""
     small_ops = enabled and compiles_small_ops(model)
     # inside the compiled ops: rows the kernels do not take keep the compiled norms and MLPs
     with compiled_small_ops(model, small_ops), triton_norms(model, small_ops), \
-            gemv_linears(model, enabled and uses_gemv(model)):
+            fused_decode_attention(model, small_ops), gemv_linears(model, enabled and uses_gemv(model)):
         yield
 
 

@@ -263,6 +263,15 @@ def choose_row_groups(layer: PagedLayer, max_new: int, query_heads: int, num_spl
     return max(1, min(16 // group, MAX_ROW_GROUPS))
 
 
+def _check_rotation(rotation: torch.Tensor | None, query_heads: int, d: int) -> None:
+    if rotation is None:
+        return
+    if rotation.shape[-2:] != (d, d) or rotation.dim() not in (2, 3):
+        raise OscarError(f"R_K must be [{d}, {d}] or [kv_heads, {d}, {d}], got {tuple(rotation.shape)}.")
+    if rotation.dim() == 3 and query_heads % rotation.shape[0]:
+        raise OscarError(f"{query_heads} query heads cannot share {rotation.shape[0]} per-KV-head rotations evenly.")
+
+
 def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: str = "auto") -> torch.Tensor:
     """query [B, Hq, n, D] (after RoPE) -> query·R_K as [B·n, Hq, D] in query.dtype: the q of
     `attend_step`. rotation: float32 [D, D], [Hkv, D, D] (one per KV head), or None (no rotation).
@@ -270,11 +279,7 @@ def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: 
     if query.dim() != 4:
         raise OscarError(f"queries must be [batch, heads, tokens, head_dim], got {tuple(query.shape)}.")
     b, hq, n, d = query.shape
-    if rotation is not None:
-        if rotation.shape[-2:] != (d, d) or rotation.dim() not in (2, 3):
-            raise OscarError(f"R_K must be [{d}, {d}] or [kv_heads, {d}, {d}], got {tuple(rotation.shape)}.")
-        if rotation.dim() == 3 and hq % rotation.shape[0]:
-            raise OscarError(f"{hq} query heads cannot share {rotation.shape[0]} per-KV-head rotations evenly.")
+    _check_rotation(rotation, hq, d)
     if rotation is None or resolve_backend(backend, query.device) == "torch" or b * n == 0 \
             or query.dtype not in WINDOW_DTYPES + (torch.float32,) or d & (d - 1) or d < 16:
         return reference.rotate_queries_reference(query, rotation)
@@ -285,6 +290,46 @@ def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: 
     out = torch.empty(b * n, hq, d, dtype=query.dtype, device=query.device)
     launch_rotate_queries(query, rotation.float().contiguous(), out)
     return out
+
+
+def decode_query_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     rotation: torch.Tensor | None, q_norm: tuple[torch.Tensor, float] | None = None,
+                     k_norm: tuple[torch.Tensor, float] | None = None,
+                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's queries and keys, one token per row, from the projections to what the cache takes.
+
+    q [B, Hq, D] and k [B, Hkv, D] (heads contiguous, unit stride on D), cos/sin [B, D] of the rows'
+    positions, all in one half-precision dtype; q_norm/k_norm: an RMSNorm's (weight [D], eps), or None.
+    Returns (the queries normalized, RoPE'd and times R_K, [B, Hq, D]: `attend_step`'s q; the keys
+    normalized and RoPE'd, [B, Hkv, D]: what `write_step` takes). One Triton launch on CUDA
+    (`triton_decode_qk`) instead of five; the torch reference elsewhere."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise OscarError(f"queries and keys must be [batch, heads, head_dim] with equal batch and head_dim, "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}.")
+    b, hq, d = q.shape
+    if hq % k.shape[1]:
+        raise OscarError(f"{hq} query heads are not a multiple of {k.shape[1]} KV heads.")
+    if cos.shape != (b, d) or sin.shape != (b, d):
+        raise OscarError(f"cos and sin must be [{b}, {d}], got {tuple(cos.shape)} and {tuple(sin.shape)}.")
+    _check_rotation(rotation, hq, d)
+    for name, norm in (("q", q_norm), ("k", k_norm)):
+        if norm is not None and norm[0].shape != (d,):
+            raise OscarError(f"the {name} norm's weight must be [{d}], got {tuple(norm[0].shape)}.")
+    same_dtype = all(x.dtype == q.dtype for x in (k, cos, sin) + tuple(n[0] for n in (q_norm, k_norm) if n))
+    if resolve_backend(backend, q.device) == "torch" or b == 0 or q.dtype not in WINDOW_DTYPES or not same_dtype \
+            or d & (d - 1) or d < 16:
+        return reference.decode_query_key_reference(q, k, cos, sin, rotation, q_norm, k_norm)
+    from .hardware import overlaps_launches
+    from .triton_decode_qk import launch_decode_qk
+
+    q, k = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k))
+    cos, sin = (x if x.stride(1) == 1 else x.contiguous() for x in (cos, sin))
+    norms = [None if n is None else (n[0].contiguous(), n[1]) for n in (q_norm, k_norm)]
+    q_out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(b, k.shape[1], d, dtype=q.dtype, device=q.device)
+    launch_decode_qk(q, k, cos, sin, None if rotation is None else rotation.float().contiguous(),
+                     *norms, q_out, k_out, overlap=overlaps_launches(q))
+    return q_out, k_out
 
 
 def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,

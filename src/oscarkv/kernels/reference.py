@@ -33,6 +33,28 @@ def rotate_queries_reference(query: torch.Tensor, rotation: torch.Tensor | None)
     return rotated.to(query.dtype).transpose(1, 2).reshape(b * n, hq, d).contiguous()
 
 
+def decode_query_key_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                rotation: torch.Tensor | None, q_norm: tuple[torch.Tensor, float] | None = None,
+                                k_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's q [B, Hq, D] and k [B, Hkv, D] from the projections, with cos/sin [B, D]: each through
+    its RMSNorm (weight, eps) if given, as the modules compute it, then RoPE (rotate_half), in the input
+    dtype. Returns (q·R_K as `rotate_queries_reference` gives it, [B, Hq, D]; k [B, Hkv, D])."""
+    def norm(x: torch.Tensor, spec: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+        if spec is None:
+            return x
+        weight, eps = spec
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None] + rotated_half * sin[:, None]
+
+    query = rotate_queries_reference(rope(norm(q, q_norm))[:, :, None], rotation)
+    return query, rope(norm(k, k_norm))
+
+
 def rotate_keys_reference(k: torch.Tensor, rotation: torch.Tensor | None, mean: torch.Tensor | None,
                           dtype: torch.dtype) -> torch.Tensor:
     """k: [T, Hkv, D] -> (k - mean[h])·R in float32, rounded to `dtype` (R: [D, D], or [Hkv, D, D],

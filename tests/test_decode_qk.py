@@ -1,0 +1,146 @@
+"""The decode step's query/key kernel (RMSNorm, RoPE, ·R_K in one launch) against its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscarkv.errors import OscarError
+from oscarkv.kernels.ops import decode_query_key, triton_available
+from oscarkv.kernels.reference import decode_query_key_reference
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(b: int, hq: int, hkv: int, d: int, dtype: torch.dtype, rotation: str, norms: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (3 * torch.randn(b, (hq + 2 * hkv) * d, generator=g)).to(DEVICE, dtype)  # one projection output
+    q = qkv[:, :hq * d].view(b, hq, d)  # views with the row stride of the fused q/k/v output
+    k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+    angles = torch.rand(b, d // 2, generator=g) * 100
+    cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE, dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(DEVICE, dtype)
+    if rotation == "none":
+        r = None
+    else:
+        shape = (hkv, d, d) if rotation == "per_head" else (d, d)
+        r = torch.linalg.qr(torch.randn(*shape, generator=g, dtype=torch.float64))[0].float().to(DEVICE)
+    q_norm = k_norm = None
+    if norms:
+        q_norm = ((torch.rand(d, generator=g) + 0.5).to(DEVICE, dtype), 1e-6)
+        k_norm = ((torch.rand(d, generator=g) + 0.5).to(DEVICE, dtype), 1e-5)
+    return q, k, cos, sin, r, q_norm, k_norm
+
+
+def _assert_within_an_ulp(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal but where the norm's sum order flips a rounding (one ulp of the dtype, on a few values)."""
+    eps = torch.finfo(expected.dtype).eps
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 * eps, atol=2 * eps)
+    assert (got == expected).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("b,hq,hkv,d", [(1, 4, 4, 64), (1, 32, 8, 128), (3, 8, 1, 128), (17, 8, 2, 64),
+                                        (2, 4, 2, 256)])
+@pytest.mark.parametrize("rotation", ["shared", "per_head", "none"])
+@pytest.mark.parametrize("norms", [True, False])
+def test_kernel_matches_reference(b, hq, hkv, d, rotation, norms):
+    inputs = _inputs(b, hq, hkv, d, torch.bfloat16, rotation, norms, seed=b + d)
+    query, key = decode_query_key(*inputs, backend="triton")
+    ref_query, ref_key = decode_query_key_reference(*inputs)
+    assert query.shape == (b, hq, d) and key.shape == (b, hkv, d)
+    _assert_within_an_ulp(key, ref_key)
+    _assert_within_an_ulp(query, ref_query)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_dtypes(dtype):
+    inputs = _inputs(2, 8, 2, 128, dtype, "shared", True, seed=5)
+    query, key = decode_query_key(*inputs, backend="triton")
+    ref_query, ref_key = decode_query_key_reference(*inputs)
+    assert query.dtype == key.dtype == dtype
+    _assert_within_an_ulp(key, ref_key)
+    _assert_within_an_ulp(query, ref_query)
+
+
+def test_empty_batch_and_bad_shapes():
+    q, k, cos, sin, r, qn, kn = _inputs(1, 8, 2, 64, torch.bfloat16, "shared", True)
+    query, key = decode_query_key(q[:0], k[:0], cos[:0], sin[:0], r, qn, kn, backend="triton")
+    assert query.shape == (0, 8, 64) and key.shape == (0, 2, 64)
+    with pytest.raises(OscarError, match="multiple"):
+        decode_query_key(q[:, :7], k, cos, sin, r, qn, kn)
+    with pytest.raises(OscarError, match="cos and sin"):
+        decode_query_key(q, k, cos[:, :32], sin, r, qn, kn)
+    with pytest.raises(OscarError, match="R_K"):
+        decode_query_key(q, k, cos, sin, r[:32, :32], qn, kn)
+    with pytest.raises(OscarError, match="norm's weight"):
+        decode_query_key(q, k, cos, sin, r, (qn[0][:32], 1e-6), kn)
+
+
+# ---- the attention modules' decode forward (`fused_decode_attention`) ---------------------------------------
+
+def _patched(family: str, method: str, dtype=torch.float32):
+    import oscarkv
+    from oscarkv import CacheConfig
+    from test_transformers_cache import _random_artifact
+    from tiny_models import tiny_model
+
+    model = tiny_model(family, head_dim=64, attention_scale=3.0, dtype=dtype).to(DEVICE)
+    paged = dict(sink_tokens=16, recent_tokens=32, page_size=16)
+    if method == "bf16":
+        return oscarkv.patch(model, method="bf16", cache=CacheConfig(**paged))
+    artifact = _random_artifact(model)
+    artifact.group_size = 64
+    return oscarkv.patch(model, artifact, quant=oscarkv.QuantConfig(group_size=64),
+                         cache=CacheConfig(kernel="paged", **paged))
+
+
+@pytest.mark.parametrize("family,method", [("qwen3", "oscar"), ("llama", "oscar"), ("qwen3", "bf16")])
+def test_fused_decode_steps_equal_the_modules_own(family, method, monkeypatch):
+    """Static decode steps with the fused forward give the tokens of transformers' own forwards (the torch
+    reference of the fusion computes as the modules do), one fused call per layer and step; prompts go
+    through the modules' own forward, and the forwards come back."""
+    from oscarkv.integrations import decode_attention
+    from oscarkv.integrations.static_decode import generate_static
+    from test_transformers_cache import _ids
+
+    model = _patched(family, method)
+    ids = _ids(40, batch=2).to(DEVICE)
+    backend = "auto" if DEVICE == "cuda" else "torch"
+    expected = generate_static(model, ids, 12, graphs=False, backend=backend)
+    calls = []
+    fused = decode_attention.decode_query_key
+    monkeypatch.setattr(decode_attention, "decode_query_key", lambda *a, **kw: (calls.append(1), fused(*a, **kw))[1])
+    with decode_attention.fused_decode_attention(model):
+        got = generate_static(model, ids, 12, graphs=False, backend=backend)
+    assert torch.equal(got, expected)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == layers * 11  # the prompt's forward and its first token are not one-token rows
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_only_known_attention_classes_are_swapped():
+    from oscarkv.integrations.decode_attention import fused_modules
+
+    assert len(fused_modules(_patched("qwen3", "oscar"))) == 2
+    assert fused_modules(_patched("gemma3", "bf16")) == []
+
+
+def test_fused_decode_with_the_kernels_follows_the_unfused_steps(monkeypatch):
+    """bfloat16 Qwen3 (q/k norms) on the kernels: the fused steps' tokens are the unfused steps' (rounding may
+    differ by an ulp in a norm, which these well-separated logits do not feel)."""
+    from oscarkv.integrations.decode_attention import fused_decode_attention
+    from oscarkv.kernels import triton_decode_qk
+    from oscarkv.integrations.static_decode import generate_static
+    from test_transformers_cache import _ids
+
+    model = _patched("qwen3", "oscar", dtype=torch.bfloat16)
+    ids = _ids(20, batch=1).to(DEVICE)
+    expected = generate_static(model, ids, 4, graphs=False, backend="triton")
+    launches = []
+    launch = triton_decode_qk.launch_decode_qk
+    monkeypatch.setattr(triton_decode_qk, "launch_decode_qk", lambda *a, **kw: (launches.append(1), launch(*a, **kw)))
+    with fused_decode_attention(model):
+        got = generate_static(model, ids, 4, graphs=False, backend="triton")
+    assert torch.equal(got, expected)
+    assert len(launches) == 2 * 3
