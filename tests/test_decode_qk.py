@@ -41,13 +41,23 @@ def _assert_within_an_ulp(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("b,hq,hkv,d", [(1, 4, 4, 64), (1, 32, 8, 128), (3, 8, 1, 128), (17, 8, 2, 64),
-                                        (2, 4, 2, 256)])
-@pytest.mark.parametrize("rotation", ["shared", "per_head", "none"])
-@pytest.mark.parametrize("norms", [True, False])
-def test_kernel_matches_reference(b, hq, hkv, d, rotation, norms):
+                                        (2, 4, 2, 256), (1, 8, 1, 256)])
+@pytest.mark.parametrize("rotation,norms,keys", [("shared", True, "plain"), ("per_head", True, "centered"),
+                                                 ("shared", False, "rotated"), ("none", True, "plain"),
+                                                 ("none", False, "rotated"), ("per_head", False, "rotated"),
+                                                 ("shared", True, "centered")])
+def test_kernel_matches_reference(b, hq, hkv, d, rotation, norms, keys):
+    """Queries normalized, RoPE'd and rotated; keys normalized and RoPE'd, and with rotate_keys also centered
+    and rotated as the cache stores them (nothing to rotate by without R_K)."""
+    from oscarkv.kernels.reference import rotate_keys_reference
+
     inputs = _inputs(b, hq, hkv, d, torch.bfloat16, rotation, norms, seed=b + d)
-    query, key = decode_query_key(*inputs, backend="triton")
+    q, k, cos, sin, r, q_norm, k_norm = inputs
+    mean = torch.randn(hkv, d, generator=torch.Generator().manual_seed(3)).to(DEVICE) if keys == "centered" else None
+    query, key = decode_query_key(*inputs, backend="triton", rotate_keys=keys != "plain", key_mean=mean)
     ref_query, ref_key = decode_query_key_reference(*inputs)
+    if keys != "plain":
+        ref_key = rotate_keys_reference(ref_key, r, mean if r is not None else None, ref_key.dtype)
     assert query.shape == (b, hq, d) and key.shape == (b, hkv, d)
     _assert_within_an_ulp(key, ref_key)
     _assert_within_an_ulp(query, ref_query)
@@ -95,27 +105,34 @@ def _patched(family: str, method: str, dtype=torch.float32):
                          cache=CacheConfig(kernel="paged", **paged))
 
 
-@pytest.mark.parametrize("family,method", [("qwen3", "oscar"), ("llama", "oscar"), ("qwen3", "bf16")])
-def test_fused_decode_steps_equal_the_modules_own(family, method, monkeypatch):
+@pytest.mark.parametrize("family,method,dtype", [("qwen3", "oscar", torch.float32), ("llama", "oscar", torch.float32),
+                                                  ("qwen3", "bf16", torch.float32), ("qwen3", "oscar", torch.bfloat16)])
+def test_fused_decode_steps_equal_the_modules_own(family, method, dtype, monkeypatch):
     """Static decode steps with the fused forward give the tokens of transformers' own forwards (the torch
     reference of the fusion computes as the modules do), one fused call per layer and step; prompts go
-    through the modules' own forward, and the forwards come back."""
+    through the modules' own forward, and the forwards come back. In bfloat16 the INT2 cache takes the keys
+    rotated by the fusion, its write only stores them."""
     from oscarkv.integrations import decode_attention
     from oscarkv.integrations.static_decode import generate_static
     from test_transformers_cache import _ids
 
-    model = _patched(family, method)
+    model = _patched(family, method, dtype)
     ids = _ids(40, batch=2).to(DEVICE)
     backend = "auto" if DEVICE == "cuda" else "torch"
     expected = generate_static(model, ids, 12, graphs=False, backend=backend)
-    calls = []
+    calls, unrotated_writes = [], []
     fused = decode_attention.decode_query_key
     monkeypatch.setattr(decode_attention, "decode_query_key", lambda *a, **kw: (calls.append(1), fused(*a, **kw))[1])
+    from oscarkv.integrations import paged
+    write = paged.write_step
+    monkeypatch.setattr(paged, "write_step", lambda *a, **kw: (unrotated_writes.append(a[4] is None), write(*a, **kw))[1])
     with decode_attention.fused_decode_attention(model):
         got = generate_static(model, ids, 12, graphs=False, backend=backend)
     assert torch.equal(got, expected)
     layers = model.config.num_hidden_layers
     assert len(calls) == layers * 11  # the prompt's forward and its first token are not one-token rows
+    if method == "oscar":  # the decode steps' keys come rotated in bfloat16 (the write does not rotate them)
+        assert sum(unrotated_writes) == (layers * 11 if dtype == torch.bfloat16 else 0)
     assert not any("forward" in vars(m) for m in model.modules())
 
 

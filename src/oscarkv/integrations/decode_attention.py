@@ -2,11 +2,14 @@
 
 Between its projections and the attention, a decode step of a Llama/Qwen-style attention module
 runs the q and k RMSNorms (Qwen3), the rotary embedding of q and of k, and, with the INT2 cache,
-the queries' rotation by R_K: five small kernels per layer. `fused_decode_attention(model)` swaps,
-for the duration of a `with` block, the forward of each attention module of a known class
-(`DECODE_ATTENTIONS`) for one that sends one-token rows to `ops.decode_query_key` (one Triton
-launch on CUDA, `kernels/triton_decode_qk.py`), writes the keys and values through the cache as
-the module would, and hands the prepared queries to the cache layer (`AttendingLayer.attend_decode`).
+the queries' rotation by R_K: five small kernels per layer, and the write kernel rotates the keys
+by R_K again. `fused_decode_attention(model)` swaps, for the duration of a `with` block, the
+forward of each attention module of a known class (`DECODE_ATTENTIONS`) for one that sends
+one-token rows to `ops.decode_query_key` (one Triton launch on CUDA, `kernels/triton_decode_qk.py`),
+which also centers and rotates the keys where the cache layer takes them so
+(`AttendingLayer.takes_rotated_keys`: the paged INT2 cache, whose write then only stores them),
+writes the keys and values through the cache, and hands the prepared queries to the cache layer
+(`AttendingLayer.attend_decode`).
 
 It takes a row only when the module's own forward would do exactly this with it: one token per
 row, the model patched with the "oscar" attention, a cache whose layer attends itself (the paged
@@ -87,9 +90,14 @@ def _forward(module: nn.Module, norms: tuple, previous: Callable, *args, **kwarg
     k = module.k_proj(hidden).view(b, -1, d)
     v = module.v_proj(hidden).view(b, 1, -1, d).transpose(1, 2)
     cos, sin = (x.reshape(-1, d).expand(b, d) for x in position_embeddings)
+    rotated = layer.takes_rotated_keys
     query, key = decode_query_key(q, k, cos, sin, layer.query_rotation, *norms,
-                                  backend=getattr(cache, "backend", "auto"))
-    cache.update(key.view(b, -1, 1, d), v, module.layer_idx)
+                                  backend=getattr(cache, "backend", "auto"), rotate_keys=rotated,
+                                  key_mean=layer.key_mean if rotated else None)
+    if rotated:
+        cache.update(key.view(b, -1, 1, d), v, module.layer_idx, keys_rotated=True)
+    else:
+        cache.update(key.view(b, -1, 1, d), v, module.layer_idx)
     out = layer.attend_decode(query, module.scaling, sliding_window(module))
     return module.o_proj(out.reshape(b, 1, -1)), None
 

@@ -59,6 +59,16 @@ class AttendingLayer(DynamicLayer):
         """What a decode step's queries are multiplied by before `attend_decode` (None: nothing)."""
         return None
 
+    @property
+    def takes_rotated_keys(self) -> bool:
+        """Whether `update(keys, values, keys_rotated=True)` takes a decode step's keys as they are stored:
+        (k - key_mean)·query_rotation, rounded to the cache's dtype."""
+        return False
+
+    @property
+    def key_mean(self) -> torch.Tensor | None:
+        return None
+
     def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, D], one token per row, already times `query_rotation` -> [B, Hq, D]."""
         b, hq, d = query.shape
@@ -87,8 +97,11 @@ class PagedOscarLayer(AttendingLayer):
                                 if uses_rotation_pieces(key_states, self.k_rotation) else None)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key/value_states: [B, Hkv, n, D] after RoPE. Returns (self, self) as handles."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, keys_rotated: bool = False, **kwargs):
+        """key/value_states: [B, Hkv, n, D] after RoPE. Returns (self, self) as handles.
+        keys_rotated: the keys are already centered and rotated (`takes_rotated_keys`)."""
+        if keys_rotated and not (self.is_initialized and self.takes_rotated_keys):
+            raise OscarError("this layer cannot take rotated keys before its first step, or without a key rotation.")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, hkv, n, d = key_states.shape
@@ -101,10 +114,11 @@ class PagedOscarLayer(AttendingLayer):
         # A prompt's first chunk attends only to itself, at full precision: plain causal SDPA on the
         # unrotated keys (qRᵀ(kR) = qkᵀ) instead of the paged kernel.
         self.fresh_kv = (key_states, value_states) if step.fresh and n > 1 else None
-        self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, self.k_rotation,
-                                   self.k_mean, quant.clip_ratio_k, quant.clip_ratio_v, backend=self.owner.backend,
-                                   validate=self.index == 0 and self.owner.frozen is None,
-                                   pieces=self.rotation_pieces)
+        rotation, mean, pieces = (None, None, None) if keys_rotated else \
+            (self.k_rotation, self.k_mean, self.rotation_pieces)
+        self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, rotation, mean,
+                                   quant.clip_ratio_k, quant.clip_ratio_v, backend=self.owner.backend,
+                                   validate=self.index == 0 and self.owner.frozen is None, pieces=pieces)
         self.length += n
         return self, self
 
@@ -119,6 +133,14 @@ class PagedOscarLayer(AttendingLayer):
     @property
     def query_rotation(self) -> torch.Tensor | None:
         return self.k_rotation
+
+    @property
+    def takes_rotated_keys(self) -> bool:
+        return self.k_rotation is not None and self.owner.cache_config.window_dtype == self.dtype
+
+    @property
+    def key_mean(self) -> torch.Tensor | None:
+        return self.k_mean
 
     def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         return self._attend_rotated(query, scaling, sliding_window)

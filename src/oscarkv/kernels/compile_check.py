@@ -40,7 +40,7 @@ GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
                   b2_ptr="*bf16", y_ptr="*bf16", N0="i32", N1="i32", N2="i32")
 GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
 DECODE_QK_TYPES = dict(q_ptr=WINDOW, k_ptr=WINDOW, qw_ptr=WINDOW, kw_ptr=WINDOW, cos_ptr=WINDOW, sin_ptr=WINDOW,
-                       r_ptr="*fp32", q_out_ptr=WINDOW, k_out_ptr=WINDOW, rows="i32", q_eps="fp32", k_eps="fp32",
+                       r_ptr="*fp32", mean_ptr="*fp32", q_out_ptr=WINDOW, k_out_ptr=WINDOW, rows="i32", q_eps="fp32", k_eps="fp32",
                        stride_q="i32", stride_k="i32", stride_cos="i32", stride_sin="i32")
 NORM_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", eps="fp32", r_ptr="*bf16", sum_ptr="*bf16")
 
@@ -135,8 +135,9 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))
         jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
-                     dict(HQ=hq, HKV=hkv, D=d, ROTATE=True, PER_HEAD=False, HAS_Q_NORM=True, HAS_K_NORM=True,
-                          BLOCK=16, BLOCK_N=min(d, 32), OVERLAP=pdl), dict(num_warps=4)))
+                     dict(HQ=hq, HKV=hkv, D=d, ROTATE=True, PER_HEAD=False, ROTATE_KEYS=True, CENTER_KEYS=True,
+                          HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=1, BLOCK_N=min(d, 32), OVERLAP=pdl),
+                     dict(num_warps=4)))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

@@ -294,15 +294,17 @@ def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: 
 
 def decode_query_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      rotation: torch.Tensor | None, q_norm: tuple[torch.Tensor, float] | None = None,
-                     k_norm: tuple[torch.Tensor, float] | None = None,
-                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                     k_norm: tuple[torch.Tensor, float] | None = None, backend: str = "auto",
+                     rotate_keys: bool = False, key_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's queries and keys, one token per row, from the projections to what the cache takes.
 
     q [B, Hq, D] and k [B, Hkv, D] (heads contiguous, unit stride on D), cos/sin [B, D] of the rows'
     positions, all in one half-precision dtype; q_norm/k_norm: an RMSNorm's (weight [D], eps), or None.
     Returns (the queries normalized, RoPE'd and times R_K, [B, Hq, D]: `attend_step`'s q; the keys
-    normalized and RoPE'd, [B, Hkv, D]: what `write_step` takes). One Triton launch on CUDA
-    (`triton_decode_qk`) instead of five; the torch reference elsewhere."""
+    normalized and RoPE'd, [B, Hkv, D]: what `write_step` takes). With rotate_keys, the keys come out as
+    the cache stores them: (key - key_mean)·R_K in float32, rounded (key_mean [Hkv, D] or None), for
+    `write_step` without a rotation. One Triton launch on CUDA (`triton_decode_qk`) instead of five; the
+    torch reference elsewhere."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise OscarError(f"queries and keys must be [batch, heads, head_dim] with equal batch and head_dim, "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}.")
@@ -315,10 +317,15 @@ def decode_query_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     for name, norm in (("q", q_norm), ("k", k_norm)):
         if norm is not None and norm[0].shape != (d,):
             raise OscarError(f"the {name} norm's weight must be [{d}], got {tuple(norm[0].shape)}.")
+    if key_mean is not None and key_mean.shape != (k.shape[1], d):
+        raise OscarError(f"the key mean must be [{k.shape[1]}, {d}], got {tuple(key_mean.shape)}.")
+    rotate_keys = rotate_keys and rotation is not None
+    key_mean = key_mean if rotate_keys else None
     same_dtype = all(x.dtype == q.dtype for x in (k, cos, sin) + tuple(n[0] for n in (q_norm, k_norm) if n))
     if resolve_backend(backend, q.device) == "torch" or b == 0 or q.dtype not in WINDOW_DTYPES or not same_dtype \
             or d & (d - 1) or d < 16:
-        return reference.decode_query_key_reference(q, k, cos, sin, rotation, q_norm, k_norm)
+        query, key = reference.decode_query_key_reference(q, k, cos, sin, rotation, q_norm, k_norm)
+        return query, reference.rotate_keys_reference(key, rotation, key_mean, key.dtype) if rotate_keys else key
     from .hardware import overlaps_launches
     from .triton_decode_qk import launch_decode_qk
 
@@ -328,7 +335,8 @@ def decode_query_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     q_out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(b, k.shape[1], d, dtype=q.dtype, device=q.device)
     launch_decode_qk(q, k, cos, sin, None if rotation is None else rotation.float().contiguous(),
-                     *norms, q_out, k_out, overlap=overlaps_launches(q))
+                     *norms, q_out, k_out, overlap=overlaps_launches(q), rotate_keys=rotate_keys,
+                     key_mean=None if key_mean is None else key_mean.float().contiguous())
     return q_out, k_out
 
 
