@@ -257,6 +257,12 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     splits = lambda batch, context: ops.choose_splits(layer, batch, 1, 32, context, torch.device("cpu"))  # noqa: E731
     assert [splits(1, c) for c in (8192, 32768, 131072)] == [66 + 4, 66 + 4, 128 + 4]
     assert splits(32, 32768) == 4 + 1
+    # few KV heads (SmolLM2: 3) share the windows among 8 splits each, and the inverse finds them
+    small = SimpleNamespace(layout=PagedLayout(kv_heads=3, head_dim=64, group_size=64))
+    for batch, context in ((1, 4096), (1, 8192), (2, 4096), (64, 4096)):
+        total = ops.choose_splits(small, batch, 1, 9, context, torch.device("cpu"))
+        windows = ops.window_split_count(small, batch, 1, 9, total, torch.device("cpu"))
+        assert windows == {1: 8, 2: 4, 64: 1}[batch], (batch, context, total, windows)
 
 
 def test_row_groups_only_for_long_decode_splits():

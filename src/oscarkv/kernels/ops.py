@@ -188,6 +188,7 @@ MAX_HISTORY_SPLITS = 128
 MIN_PAGES_PER_SPLIT = 8  # decode history splits shorter than this are merged, down to half a wave
 PROGRAMS_PER_MULTIPROCESSOR = 8  # decode history programs per multiprocessor (`choose_splits`)
 SMALL_BATCH_WINDOW_SPLITS = 4
+SMALL_BATCH_WINDOW_PROGRAMS = 24
 
 
 def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int) -> tuple[int, int]:
@@ -196,11 +197,19 @@ def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_hea
     return m_blocks, batch_size * lay.kv_heads * m_blocks
 
 
+def _small_batch_window_splits(programs: int) -> int:
+    """At least SMALL_BATCH_WINDOW_SPLITS (4) per (sequence, KV head), up to 8 so that there are about
+    24 window programs: with 3 KV heads (SmolLM2) 8 splits took 1x1K from 11.2 to 9.6 µs and 1x8K from
+    16.8 to 15.4 µs on the H100, while 8 KV heads (Qwen3) were fastest at 4 (1x32K 18.7 against 19.1 µs;
+    data/window-splits-h100.txt)."""
+    return max(SMALL_BATCH_WINDOW_SPLITS, min(8, -(-SMALL_BATCH_WINDOW_PROGRAMS // max(programs, 1))))
+
+
 def _window_splits(programs: int, history_splits: int, sms: int) -> int:
-    """SMALL_BATCH_WINDOW_SPLITS (4) window splits when the window programs alone would leave most of the GPU idle (small
-    batches at long context), else 1. One window program walks ~6 blocks of the sink and ring one
-    after another: 11 µs on the H100, as long as the whole history at 8K."""
-    return SMALL_BATCH_WINDOW_SPLITS if programs < sms and history_splits >= 8 else 1
+    """`_small_batch_window_splits` window splits when the window programs alone would leave most of the GPU
+    idle (small batches at long context), else 1. One window program walks ~6 blocks of the sink and ring
+    one after another: 11 µs on the H100, as long as the whole history at 8K."""
+    return _small_batch_window_splits(programs) if programs < sms and history_splits >= 8 else 1
 
 
 def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
@@ -239,7 +248,7 @@ def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_h
     if m_blocks > 1:
         return 1
     sms = _multiprocessor_count(device)
-    return _window_splits(programs, num_splits - SMALL_BATCH_WINDOW_SPLITS, sms)
+    return _window_splits(programs, num_splits - _small_batch_window_splits(programs), sms)
 
 
 MAX_ROW_GROUPS = 2  # four: 255 registers with spills, slower on every benchmark shape
