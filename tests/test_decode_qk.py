@@ -161,3 +161,14 @@ def test_fused_decode_with_the_kernels_follows_the_unfused_steps(monkeypatch):
         got = generate_static(model, ids, 4, graphs=False, backend="triton")
     assert torch.equal(got, expected)
     assert len(launches) == 2 * 3
+
+
+def test_a_layer_refuses_rotated_keys_before_its_first_step():
+    from oscarkv.integrations.paged import PagedOscarCache
+
+    model = _patched("qwen3", "oscar", torch.bfloat16)
+    state = model.oscar
+    cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 64, backend="torch")
+    keys = torch.zeros(1, state.kv_heads, 1, state.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(OscarError, match="rotated keys"):
+        cache.update(keys, keys, 0, keys_rotated=True)
