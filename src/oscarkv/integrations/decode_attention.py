@@ -94,10 +94,7 @@ def _forward(module: nn.Module, norms: tuple, previous: Callable, *args, **kwarg
     query, key = decode_query_key(q, k, cos, sin, layer.query_rotation, *norms,
                                   backend=getattr(cache, "backend", "auto"), rotate_keys=rotated,
                                   key_mean=layer.key_mean if rotated else None)
-    if rotated:
-        cache.update(key.view(b, -1, 1, d), v, module.layer_idx, keys_rotated=True)
-    else:
-        cache.update(key.view(b, -1, 1, d), v, module.layer_idx)
+    cache.update(key.view(b, -1, 1, d), v, module.layer_idx, keys_rotated=rotated)
     out = layer.attend_decode(query, module.scaling, sliding_window(module))
     return module.o_proj(out.reshape(b, 1, -1)), None
 
