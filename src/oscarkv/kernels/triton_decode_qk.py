@@ -15,8 +15,8 @@ Rounding follows the eager modules: the norm in float32, rounded to the dtype, t
 rounded again; RoPE's q·cos and rotate_half(q)·sin each rounded, then their sum. The norm's sum may
 run in another order than PyTorch's, so a value can differ by one ulp, as with the Triton RMSNorm.
 
-With `overlap` (Hopper, `triton_pdl`) the launch starts while the projection before it ends: the
-weights, cos/sin and the R_K columns load before it waits. Reference:
+With `overlap` (Hopper, `triton_pdl`) the launch starts while the projection before it ends: cos/sin,
+the R_K columns and μ_K load before it waits; the norm weights load with the rows, after it. Reference:
 `oscarkv.kernels.reference.decode_query_key_reference`.
 """
 
