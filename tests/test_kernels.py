@@ -284,6 +284,15 @@ def test_decode_windows_shared_by_several_splits():
     _drive(layout, 4, [[300, 220], [1, 1], [1, 1]], num_splits=7, window_splits=3)
 
 
+@pytest.mark.parametrize("options", [{}, dict(shift_block=32, per_head_rotation=True)])
+def test_decode_flush_in_the_write_launch_matches_reference(options):
+    """Decode steps (one new token at most per sequence) run the flush and the write as one launch.
+    Lengths 63 and 79 age a page out of the ring at the next token (64, 80); 40 takes no token, so
+    its programs find nothing to do; the step after flushes nothing."""
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
+    _drive(layout, 4, [[63, 40, 79], [1, 0, 1], [1, 1, 1]], **options)
+
+
 def test_flush_moves_aged_ring_tokens_a_page_at_a_time():
     layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
     run = PagedRun(layout, 1, 256, 1, "triton", device=DEVICE)

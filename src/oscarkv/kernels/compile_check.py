@@ -103,18 +103,20 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024)
+        decode_write = dict(write, FLUSH_BLOCKS=-(-(recent + page) // 16))  # flush and write in one launch
+        prompt_write = dict(write, FLUSH_BLOCKS=0)
         # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)
         rotations = (2, 1) if d <= 128 else (1,)
         unfused = dict(enable_fp_fusion=False)  # as launch_write runs them
         for rotate in rotations:
-            for block in (16, 64):  # decode steps; prompts
+            for block, step in ((16, decode_write), (64, prompt_write)):
                 jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                             dict(write, ROTATE=rotate, CENTER=True, BLOCK_T=block, BF16_DOTS=True), unfused))
+                             dict(step, ROTATE=rotate, CENTER=True, BLOCK_T=block, BF16_DOTS=True), unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True, BF16_DOTS=True),
+                     dict(prompt_write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True, BF16_DOTS=True),
                      unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(write, ROTATE=0, CENTER=False, CLIP_K=-1, CLIP_V=-1, BLOCK_T=16, BF16_DOTS=True), unfused))
+                     dict(decode_write, ROTATE=0, CENTER=False, BLOCK_T=16, BF16_DOTS=True), unfused))
         for shifted in (False, True):
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, KEY_SHIFTS=shifted),
                          unfused))
@@ -122,7 +124,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             lloyd = dict(K_LLOYD=True, V_LLOYD=True)
             jobs += [attention(1, 0, 1, **lloyd), attention(17, 1, 4, **lloyd)]
             jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                         dict(write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, BF16_DOTS=True, **lloyd), unfused))
+                         dict(prompt_write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, BF16_DOTS=True, **lloyd),
+                         unfused))
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), unfused))
         jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),

@@ -337,6 +337,35 @@ def _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h, wind
 
 
 @triton.jit
+def _flush_block(b, block, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                 kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
+                 k_low, k_high, v_low, v_high,
+                 HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                 P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                 CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
+                 KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr):
+    """Block `block` of the ring tokens of (sequence b, KV head h) that age into the history this step:
+    quantized into their pages (nothing for a block past them)."""
+    C: tl.constexpr = R + P
+    slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
+    first = _history_end(old, S, R, P)
+    stop = tl.minimum(old, _history_end(old + count, S, R, P))
+    if block * BLOCK_T < stop - first:
+        pos = first + block * BLOCK_T + tl.arange(0, BLOCK_T)
+        valid = pos < stop
+        ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
+        page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
+        k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
+        v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
+        if KEY_SHIFTS:
+            k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
+                                              ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
+        _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr,
+                           vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
+                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD)
+
+
+@triton.jit
 def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
                   k_low, k_high, v_low, v_high,
@@ -345,28 +374,10 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr = False,
                   V_LLOYD: tl.constexpr = False):
-    b = tl.program_id(0)
-    block = tl.program_id(1)
-    h = tl.program_id(2)
-    C: tl.constexpr = R + P
-    slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
-    new = old + count
-    first = _history_end(old, S, R, P)
-    stop = tl.minimum(old, _history_end(new, S, R, P))
-    pos = first + block * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid = pos < stop
-    if block * BLOCK_T >= stop - first:
-        return
-    ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
-    page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
-    k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
-    v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
-    if KEY_SHIFTS:
-        k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
-                                          ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
-    _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr,
-                       vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
-                       CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD)
+    _flush_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), slots_ptr, cu_ptr, len_ptr, bt_ptr,
+                 bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
+                 kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R,
+                 CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD)
 
 
 @triton.jit
@@ -411,13 +422,24 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
                   ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, BF16_DOTS: tl.constexpr = True,
-                  K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False):
+                  K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False, FLUSH_BLOCKS: tl.constexpr = 0):
     """ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
     the pieces of R_K at pieces_ptr (`_rotate_by_pieces`). rot_head_stride is 0 for one R_K per
-    layer and the elements between two KV heads' matrices (rot_ptr or pieces_ptr) for one per head."""
+    layer and the elements between two KV heads' matrices (rot_ptr or pieces_ptr) for one per head.
+
+    FLUSH_BLOCKS > 0: block 0 of axis 1 is the write's and blocks 1..FLUSH_BLOCKS the flush's
+    (`_flush_block`), in one launch. Only for steps of at most one new token per sequence, whose
+    ring row is never one that the flush reads (see `launch_write`)."""
     b = tl.program_id(0)
     block = tl.program_id(1)
     h = tl.program_id(2)
+    if FLUSH_BLOCKS > 0:
+        if block > 0:
+            _flush_block(b, block - 1, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
+                         kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low,
+                         k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT,
+                         BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD)
+            return
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
@@ -511,9 +533,19 @@ def pattern_shift(dtype) -> int:
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
-def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float, pieces=None) -> None:
+def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float, pieces=None,
+                 merge: bool = True) -> None:
     """Run flush then write on the GPU (or under TRITON_INTERPRET=1). Shapes as in `reference`;
-    pieces: `ops.RotationPieces` to rotate bfloat16 keys by (ROTATE=2), else float32 dots."""
+    pieces: `ops.RotationPieces` to rotate bfloat16 keys by (ROTATE=2), else float32 dots.
+
+    A step of at most one new token per sequence (decode) runs both in one launch: its new token
+    sits at ring row (old - S) mod (R + P), and the tokens that age out lie in
+    [history_end(old), history_end(old + 1)), after old - R - P, so none of them shares that row.
+    Longer steps may reuse a row the flush reads: two launches, the flush first (also with merge=False).
+
+    The launches start when the one before them has ended. Launched early instead (programmatic
+    dependent launch, waiting first), the merged launch made the Qwen3-4B decode step 0.08 ms slower
+    at 30K and 0.06 ms faster at 100K on the H100 (docs/data/write-launch-ablation-h100.txt)."""
     from .ops import interpreting
 
     lay = layer.layout
@@ -534,17 +566,21 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
         return
     bt = batch.block_table
     pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
-    flush_grid = (b, triton.cdiv(lay.ring_capacity, block_tokens), lay.kv_heads)
-    _flush_kernel[flush_grid](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                              *pages, layer.ring_k, layer.ring_v, *tail, **common)
-    if batch.max_new == 0:
-        return
+    flush_blocks = triton.cdiv(lay.ring_capacity, block_tokens)
+    merged = merge and batch.max_new == 1
+    if not merged:
+        _flush_kernel[(b, flush_blocks, lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
+                                                       layer.num_pages, *pages, layer.ring_k, layer.ring_v, *tail,
+                                                       **common)
+        if batch.max_new == 0:
+            return
     # Long steps (prompts) with D <= 128 take blocks of 64 tokens: a quarter of the programs, each
     # loading R_K once. A sweep on the H100 (32K tokens, 8 KV heads, D = 128, 2 to 8 warps, blocks of
     # 16 to 128 tokens) found 64 tokens with 4 warps fastest, 2.0x faster than 16; 32 tokens spill.
     # Short steps (decode) keep blocks of 16 for latency.
     write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens
-    write_grid = (b, triton.cdiv(batch.max_new, write_block), lay.kv_heads)
+    write_blocks = triton.cdiv(batch.max_new, write_block)
+    grid = (b, write_blocks + (flush_blocks if merged else 0), lay.kv_heads)
     if pieces is not None:
         rotate, stride = 2, pieces.head_stride
         mean_rotated = pieces.mean_rotated if pieces.mean_rotated is not None else k
@@ -552,11 +588,11 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
         rotate = 0 if rotation is None else 1
         stride = d * d if rotation is not None and rotation.dim() == 3 else 0
         mean_rotated = k
-    _write_kernel[write_grid](k, v, k_rot, rotation if rotation is not None else k, stride,
-                              mean if mean is not None else k,
-                              pieces.pieces if pieces is not None else k, mean_rotated,
-                              batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                              *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
-                              ROTATE=rotate, CENTER=mean is not None,
-                              BF16_DOTS=not interpreting(),
-                              **dict(common, BLOCK_T=write_block))
+    _write_kernel[grid](k, v, k_rot, rotation if rotation is not None else k, stride,
+                        mean if mean is not None else k,
+                        pieces.pieces if pieces is not None else k, mean_rotated,
+                        batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
+                        *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
+                        ROTATE=rotate, CENTER=mean is not None,
+                        BF16_DOTS=not interpreting(), FLUSH_BLOCKS=flush_blocks if merged else 0,
+                        **dict(common, BLOCK_T=write_block))
