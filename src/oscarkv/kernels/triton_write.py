@@ -1,11 +1,13 @@
 """Triton write path: center + rotate + clip + quantize + pack + store, and the ring flush.
 
-Two launches per layer and step, in this order:
-1. `_flush_kernel` moves the ring tokens that age into the history to their pages;
-2. `_write_kernel` rotates the step's new keys ((k - μ_K)·R_K in float32, rounded to the
-   window dtype), returns them for the step's own attention, and stores every new token
+Two parts per layer and step:
+1. the flush (`_flush_block`) moves the ring tokens that age into the history to their pages;
+2. the write (`_write_kernel`) rotates the step's new keys ((k - μ_K)·R_K in float32, rounded to
+   the window dtype), returns them for the step's own attention, and stores every new token
    in its region: sink, ring, or quantized straight into a page (long prompts).
-The order matters: a new token may take the ring row of a token the flush just moved.
+A step of many tokens runs them as two launches, the flush first: a new token may take the ring row
+of a token the flush just moved. A decode step (at most one new token per sequence) runs both in one
+launch, since its token's row is never one the flush reads (`launch_write`).
 
 Rows are processed as four contiguous quarters of D/4 channels, the planar packing of
 `oscarkv.quant.format`: quarter i of a row is code plane i (INT2), so packing is shifts
