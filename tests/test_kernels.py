@@ -284,13 +284,15 @@ def test_decode_windows_shared_by_several_splits():
     _drive(layout, 4, [[300, 220], [1, 1], [1, 1]], num_splits=7, window_splits=3)
 
 
-@pytest.mark.parametrize("options", [{}, dict(shift_block=32, per_head_rotation=True)])
-def test_decode_flush_in_the_write_launch_matches_reference(options):
-    """Decode steps (one new token at most per sequence) run the flush and the write as one launch.
-    Lengths 63 and 79 age a page out of the ring at the next token (64, 80); 40 takes no token, so
-    its programs find nothing to do; the step after flushes nothing."""
-    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
-    _drive(layout, 4, [[63, 40, 79], [1, 0, 1], [1, 1, 1]], **options)
+@pytest.mark.parametrize("page,options", [(16, {}), (16, dict(shift_block=32, per_head_rotation=True)), (64, {})])
+def test_decode_flush_in_the_write_launch_matches_reference(page, options):
+    """Decode steps (one new token at most per sequence) run the flush and the write as one launch,
+    with flush programs for one page (one 16-token block at page 16, four at page 64). The first
+    and third prompts end one token before a page ages out of the ring (sink + recent + page·n - 1);
+    the second takes no token, so its programs find nothing to do; the step after flushes nothing."""
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **dict(SMALL, page_size=page))
+    edge = SMALL["sink_tokens"] + SMALL["recent_tokens"] + page - 1
+    _drive(layout, 4, [[edge, 40, edge + page], [1, 0, 1], [1, 1, 1]], **options)
 
 
 def test_flush_moves_aged_ring_tokens_a_page_at_a_time():

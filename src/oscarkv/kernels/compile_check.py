@@ -103,7 +103,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024)
-        decode_write = dict(write, FLUSH_BLOCKS=-(-(recent + page) // 16))  # flush and write in one launch
+        decode_write = dict(write, FLUSH_BLOCKS=-(-page // 16))  # flush and write in one launch
         prompt_write = dict(write, FLUSH_BLOCKS=0)
         # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)
         rotations = (2, 1) if d <= 128 else (1,)

@@ -568,8 +568,9 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
         return
     bt = batch.block_table
     pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
-    flush_blocks = triton.cdiv(lay.ring_capacity, block_tokens)
     merged = merge and batch.max_new == 1
+    # A step of one token ages at most one page out of the ring; a longer one up to the whole ring.
+    flush_blocks = triton.cdiv(lay.page_size if merged else lay.ring_capacity, block_tokens)
     if not merged:
         _flush_kernel[(b, flush_blocks, lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
                                                        layer.num_pages, *pages, layer.ring_k, layer.ring_v, *tail,
