@@ -13,8 +13,10 @@ Also prints the mean step time of the eager static steps and of the graph replay
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
+from typing import Callable
 
 import torch
 
@@ -47,6 +49,34 @@ def step_ms(model, prompt, new: int, graphs: bool) -> float:
         replays, seconds = decoder.replay_timing
         return 1e3 * seconds / replays
     return 1e3 * (time.perf_counter() - started) / new
+
+
+def ablation_arguments() -> argparse.Namespace:
+    """The options of the ablation probes (scripts/probe_*_ablation.py): model, batch-1 contexts, batch."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="random:qwen3-4b")
+    parser.add_argument("--contexts", default="100000,30000")
+    parser.add_argument("--batch", type=int, default=1)
+    return parser.parse_args()
+
+
+def alternating_step_ms(model, prompt, variants: dict[str, Callable[[], None]], reps: int = 3,
+                        new: int = 64) -> dict[str, list[float]]:
+    """ms per CUDA-graph step of each variant, the variants run in turn `reps` times in this process;
+    each variant's callable puts its code in place before its run."""
+    times = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, use in variants.items():
+            use()
+            times[name].append(step_ms(model, prompt, new, graphs=True))
+            gc.collect()
+            torch.cuda.empty_cache()
+    return times
+
+
+def print_ablation(args: argparse.Namespace, context: int, method: str, times: dict[str, list[float]]) -> None:
+    print(args.model, args.batch, context, method, {k: [round(v, 3) for v in vs] for k, vs in times.items()},
+          flush=True)
 
 
 def profile(model, prompt, steps: int = 8, layer_kernels: int = 0) -> None:

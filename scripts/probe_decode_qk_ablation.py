@@ -5,24 +5,18 @@ Qwen3-4B shape by default, random weights, batch 1, INT2 (Hadamard) and BF16 cac
 
     PYTHONPATH=src:scripts python scripts/probe_decode_qk_ablation.py [--model random:qwen3-4b] [--contexts 100000,30000]
 """
-import argparse
 import contextlib
-import gc
 import sys
 
 import torch
 
 sys.path.insert(0, "scripts")
 import oscarkv  # noqa: E402
-from check_static_decode import step_ms  # noqa: E402
+from check_static_decode import ablation_arguments, alternating_step_ms, print_ablation  # noqa: E402
 from oscarkv.integrations import static_decode  # noqa: E402
 from oscarkv.models import load_model  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--model", default="random:qwen3-4b")
-parser.add_argument("--contexts", default="100000,30000")
-parser.add_argument("--batch", type=int, default=1)
-args = parser.parse_args()
+args = ablation_arguments()
 fused = static_decode.fused_decode_attention
 
 
@@ -31,18 +25,18 @@ def off(model, enabled=True):
     yield
 
 
+def using(fn):
+    def use():
+        static_decode.fused_decode_attention = fn
+    return use
+
+
 model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
 torch.manual_seed(0)
 for ctx in (int(c) for c in args.contexts.split(",")):
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, ctx), device="cuda")
     for method in ("hadamard", "bf16"):
         oscarkv.patch(model, method=method)
-        res = {"one launch": [], "five launches": []}
-        for rep in range(3):
-            for name, fn in (("one launch", fused), ("five launches", off)):
-                static_decode.fused_decode_attention = fn
-                res[name].append(step_ms(model, prompt, 64, graphs=True))
-                gc.collect()
-                torch.cuda.empty_cache()
+        times = alternating_step_ms(model, prompt, {"one launch": using(fused), "five launches": using(off)})
         static_decode.fused_decode_attention = fused
-        print(args.model, args.batch, ctx, method, {k: [round(v, 3) for v in vs] for k, vs in res.items()}, flush=True)
+        print_ablation(args, ctx, method, times)

@@ -5,44 +5,34 @@ random weights, batch 1, INT2 (Hadamard) cache; ms per graph step.
 
     PYTHONPATH=src:scripts python scripts/probe_write_launch_ablation.py [--model random:qwen3-4b] [--contexts 100000,30000]
 """
-import argparse
-import gc
 import sys
 
 import torch
 
 sys.path.insert(0, "scripts")
 import oscarkv  # noqa: E402
-from check_static_decode import step_ms  # noqa: E402
+from check_static_decode import ablation_arguments, alternating_step_ms, print_ablation  # noqa: E402
 from oscarkv.kernels import triton_write  # noqa: E402
 from oscarkv.models import load_model  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--model", default="random:qwen3-4b")
-parser.add_argument("--contexts", default="100000,30000")
-parser.add_argument("--batch", type=int, default=1)
-args = parser.parse_args()
+args = ablation_arguments()
 now = triton_write.launch_write
 
 
-def forced(launch, **options):
-    """`launch` with `options` whatever the caller passes (functools.partial lets the call override them)."""
-    return lambda *a, **kw: launch(*a, **{**kw, **options})
+def using(**options):
+    """Put `launch_write` with `options` in place, whatever its callers pass."""
+    def use():
+        triton_write.launch_write = lambda *a, **kw: now(*a, **{**kw, **options})
+    return use
 
 
-VARIANTS = {"one launch": now, "two launches": forced(now, merge=False)}
+VARIANTS = {"one launch": using(), "two launches": using(merge=False)}
 
 model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
 torch.manual_seed(0)
 oscarkv.patch(model, method="hadamard")
 for ctx in (int(c) for c in args.contexts.split(",")):
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, ctx), device="cuda")
-    res = {name: [] for name in VARIANTS}
-    for rep in range(3):
-        for name, which in VARIANTS.items():
-            triton_write.launch_write = which
-            res[name].append(step_ms(model, prompt, 64, graphs=True))
-            gc.collect()
-            torch.cuda.empty_cache()
+    times = alternating_step_ms(model, prompt, VARIANTS)
     triton_write.launch_write = now
-    print(args.model, args.batch, ctx, "hadamard", {k: [round(v, 3) for v in vs] for k, vs in res.items()}, flush=True)
+    print_ablation(args, ctx, "hadamard", times)
