@@ -24,7 +24,7 @@ import tempfile
 
 import triton
 
-from oscarkv.kernels import triton_attention, triton_decode_history
+from oscarkv.kernels import triton_attention
 from oscarkv.kernels.compile_check import ATTENTION_TYPES, compile_kernel
 
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
@@ -43,35 +43,16 @@ def compile_history_kernel(stages: int, maxnreg: int | None, row_groups: int = 1
     return kernel.asm["cubin"]
 
 
-HISTORY_TYPES = {name: ATTENTION_TYPES[name] for name in (
-    "q_ptr", "part_o_ptr", "part_lse_ptr", "slots_ptr", "cu_ptr", "len_ptr", "bt_ptr", "bt_stride", "num_pages",
-    "kc_ptr", "ks_ptr", "kz_ptr", "vc_ptr", "vs_ptr", "vz_ptr", "qk_scale", "shift_ptr", "num_blocks")}
-
-
-def compile_columns_kernel(stages: int, maxnreg: int | None) -> bytes:
-    """The transposed decode history launch (`triton_decode_history`) on the same shape."""
-    constexprs = dict(HQ=32, HKV=8, D=128, NG=1, P=64, S=64, R=256, NUM_SPLITS=17, WINDOW_SPLITS=4, N=8, ASM=True,
-                      KEY_SHIFTS=False, SHIFT_BLOCK=1024, OVERLAP=1)
-    options = dict(num_warps=1, num_stages=stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    kernel = compile_kernel(triton_decode_history._decode_history_kernel, HISTORY_TYPES, constexprs, 90,
-                            aligned=True, **options)
-    return kernel.asm["cubin"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--row-groups", type=int, default=1, help="pages per softmax step (ROW_GROUPS)")
-    parser.add_argument("--kernel", choices=("rows", "columns"), default="rows",
-                        help="rows: the [16, P] score tiles of _paged_attention_kernel; columns: the transposed "
-                             "[P, N] tiles of triton_decode_history")
     args = parser.parse_args()
     tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = pathlib.Path(tmp) / "history.cubin"
-        cubin.write_bytes(compile_columns_kernel(args.stages, args.maxnreg) if args.kernel == "columns"
-                          else compile_history_kernel(args.stages, args.maxnreg, args.row_groups))
+        cubin.write_bytes(compile_history_kernel(args.stages, args.maxnreg, args.row_groups))
         sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
                               text=True).stdout.splitlines()
         usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
@@ -81,7 +62,7 @@ def main() -> None:
              if (m := BRANCH.search(line)) and m.group(1) in labels and labels[m.group(1)] < i]
     start, end = max(loops, key=lambda span: span[1] - span[0])  # the history loop is the largest
     ops = collections.Counter(m.group(1) for line in sass[start:end + 1] if (m := INSTRUCTION.match(line)))
-    print(f"{args.kernel} kernel, Triton {triton.__version__}, sm_90, {args.stages} stages, maxnreg {args.maxnreg}, "
+    print(f"Triton {triton.__version__}, sm_90, {args.stages} stages, maxnreg {args.maxnreg}, "
           f"{args.row_groups} row group(s): the loop reads {args.row_groups} page(s) per iteration")
     print("registers:", re.search(r"REG:(\d+)", usage).group(1))
     print("history loop instructions:", sum(ops.values()))

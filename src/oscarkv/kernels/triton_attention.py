@@ -991,7 +991,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
                      maxnreg: int | None = None, window_splits: int = 1, overlap: bool | None = None,
-                     window_first: bool = False, row_groups: int = 1, history_columns: bool = True) -> None:
+                     window_first: bool = False, row_groups: int = 1) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
@@ -1011,12 +1011,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
 
     row_groups (decode history launch, D >= 128; `ops.choose_row_groups`): pages per softmax step, each
     read by its own copy of the query heads (see ROW_GROUPS in the kernel); 1 where they do not fit
-    the block's rows.
-
-    history_columns: a decode step's history launch (one new token per sequence, INT2 keys and values
-    with uniform levels, D >= 128, no sliding window) runs `triton_decode_history`, whose tiles hold
-    history tokens as rows and query heads as columns; row_groups does not apply to it. False keeps
-    `_paged_attention_kernel` (REGIONS=1) for every history launch."""
+    the block's rows."""
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads
@@ -1053,28 +1048,13 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         ws = shape["WINDOW_SPLITS"]
         registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and _maxnreg_supported() else {}
         grouped = row_groups if batch.max_new == 1 and d >= 128 and row_groups * group <= block_m else 1
-        columns = history_columns and batch.max_new == 1 and window == 0 and d >= 128 and lay.key_bits == 2 \
-            and lay.value_bits == 2 and lay.key_inner is None and lay.value_inner is None
-        if columns:  # the transposed tiles (`triton_decode_history`)
-            from .triton_decode_history import _decode_history_kernel, history_columns as _columns
-
-            history = (_decode_history_kernel, (b * lay.kv_heads, 1, num_splits - ws), (
-                q, part_o, part_lse, batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero,
-                scale * LOG2E, *args[24:26]), dict(
-                HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, P=lay.page_size, S=lay.sink_tokens,
-                R=lay.recent_tokens, NUM_SPLITS=num_splits, WINDOW_SPLITS=ws, N=_columns(group), ASM=cuda,
-                KEY_SHIFTS=shape["KEY_SHIFTS"], SHIFT_BLOCK=shape["SHIFT_BLOCK"], num_warps=num_warps,
-                num_stages=num_stages, **registers))
-        else:
-            history = (_paged_attention_kernel, (b * lay.kv_heads, m_blocks, num_splits - ws), args,
-                       dict(shape, REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped,
-                            **registers))
-        windows = (_paged_attention_kernel, (b * lay.kv_heads, m_blocks, ws), args,
-                   dict(shape, REGIONS=2, num_warps=window_warps, num_stages=2))
+        history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
+                   dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))
+        windows = ((b * lay.kv_heads, m_blocks, ws), dict(REGIONS=2, num_warps=window_warps, num_stages=2))
         first, second = (windows, history) if window_first else (history, windows)
-        first[0][first[1]](*first[2], **first[3], OVERLAP=int(overlap))
-        second[0][second[1]](*second[2], **second[3], OVERLAP=2 * int(overlap), **_programmatic(overlap))
+        _paged_attention_kernel[first[0]](*args, **shape, **first[1], OVERLAP=int(overlap))
+        _paged_attention_kernel[second[0]](*args, **shape, **second[1], OVERLAP=2 * int(overlap),
+                                           **_programmatic(overlap))
     else:
         _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits)](
             *args, **shape, REGIONS=0, num_warps=num_warps, num_stages=2)
