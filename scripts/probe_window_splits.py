@@ -1,5 +1,6 @@
 """Developer tool (GPU): decode kernel time against the number of window splits (programs per KV head that
-share the BF16 sink and ring), history splits as chosen, on batch-1 shapes (docs/data/window-splits-h100.txt).
+share the BF16 sink and ring), history splits and row groups as chosen (docs/data/window-splits-h100.txt at batch 1,
+docs/data/window-splits-batch-h100.txt at batch 8-64).
 
     PYTHONPATH=src python scripts/probe_window_splits.py 1x4096x9x3x64x64,1x32768x32x8x128x128 1,4,8,16/2
 
@@ -11,7 +12,7 @@ import torch
 
 from oscarkv.benchmarks.attention import _time_us, decode_case
 from oscarkv.kernels import reference
-from oscarkv.kernels.ops import choose_splits, window_split_count
+from oscarkv.kernels.ops import choose_row_groups, choose_splits, window_split_count
 from oscarkv.kernels.triton_attention import launch_attention
 
 configs = [tuple(int(x) for x in (c + "/4").split("/")[:2]) for c in sys.argv[2].split(",")]
@@ -29,12 +30,15 @@ for shape in sys.argv[1].split(","):
         ws = (torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device),
               torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device))
 
-        def fn(splits=splits, ws=ws, out=out, wsplits=wsplits, warps=warps):
+        groups = choose_row_groups(layer, 1, hq, splits, wsplits, context)
+
+        def fn(splits=splits, ws=ws, out=out, wsplits=wsplits, warps=warps, groups=groups):
             launch_attention(layer, step, q, k, v, out, scale, 0, splits, ws, window_splits=wsplits,
-                             window_warps=warps)
+                             window_warps=warps, row_groups=groups)
 
         fn()
         torch.cuda.synchronize()
         err = (out.float() - expected).abs().max().item()
-        us = min(_time_us(fn) for _ in range(3))
-        print(f"{shape:>22} splits {history}+{wsplits}, window warps {warps}: {us:7.1f} us  err {err:.1e}", flush=True)
+        times = [_time_us(fn) for _ in range(3)]
+        print(f"{shape:>22} splits {history}+{wsplits}, window warps {warps}, row groups {groups}: {min(times):7.1f} us "
+              f"(max {max(times):7.1f})  err {err:.1e}", flush=True)

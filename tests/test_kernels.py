@@ -256,13 +256,20 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
     splits = lambda batch, context: ops.choose_splits(layer, batch, 1, 32, context, torch.device("cpu"))  # noqa: E731
     assert [splits(1, c) for c in (8192, 32768, 131072)] == [66 + 4, 66 + 4, 128 + 4]
-    assert splits(32, 32768) == 4 + 1
+    # batches beyond 4 (32 sequence-head pairs) take 2 window splits, up to 2 pairs per multiprocessor
+    assert [splits(b, 32768) for b in (4, 8, 32, 66, 81)] == [33 + 4, 16 + 2, 4 + 2, 2 + 1, 4 + 1]
+    for batch in (1, 4, 8, 32, 66, 81):
+        total = splits(batch, 32768)
+        assert ops.window_split_count(layer, batch, 1, 32, total, torch.device("cpu")) == total - {
+            1: 66, 4: 33, 8: 16, 32: 4, 66: 2, 81: 4}[batch]
     # few KV heads (SmolLM2: 3) share the windows among 8 splits each, and the inverse finds them
     small = SimpleNamespace(layout=PagedLayout(kv_heads=3, head_dim=64, group_size=64))
     for batch, context in ((1, 4096), (1, 8192), (2, 4096), (64, 4096)):
         total = ops.choose_splits(small, batch, 1, 9, context, torch.device("cpu"))
         windows = ops.window_split_count(small, batch, 1, 9, total, torch.device("cpu"))
-        assert windows == {1: 8, 2: 4, 64: 1}[batch], (batch, context, total, windows)
+        assert windows == {1: 8, 2: 4, 64: 2}[batch], (batch, context, total, windows)
+    # a split count given by the caller that leaves no history split: the windows take one
+    assert ops.window_split_count(layer, 32, 1, 32, 2, torch.device("cpu")) == 1
 
 
 def test_row_groups_only_for_long_decode_splits():

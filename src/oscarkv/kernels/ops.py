@@ -189,6 +189,8 @@ MIN_PAGES_PER_SPLIT = 8  # decode history splits shorter than this are merged, d
 PROGRAMS_PER_MULTIPROCESSOR = 8  # decode history programs per multiprocessor (`choose_splits`)
 SMALL_BATCH_WINDOW_SPLITS = 4
 SMALL_BATCH_WINDOW_PROGRAMS = 24
+SMALL_BATCH_PROGRAMS = 32  # (sequence, KV head) pairs up to which a decode step takes 4-8 window splits
+MID_BATCH_WINDOW_SPLITS = 2  # beyond, up to 2 pairs per multiprocessor (`_window_splits`)
 
 
 def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int) -> tuple[int, int]:
@@ -206,10 +208,19 @@ def _small_batch_window_splits(programs: int) -> int:
 
 
 def _window_splits(programs: int, history_splits: int, sms: int) -> int:
-    """`_small_batch_window_splits` window splits when the window programs alone would leave most of the GPU
-    idle (small batches at long context), else 1. One window program walks ~6 blocks of the sink and ring
-    one after another: 11 µs on the H100, as long as the whole history at 8K."""
-    return _small_batch_window_splits(programs) if programs < sms and history_splits >= 8 else 1
+    """Window splits per (sequence, KV head) of a decode step with `programs` of them:
+    - up to SMALL_BATCH_PROGRAMS (batch 1-4 with 8 KV heads) at long context (8 or more history splits):
+      `_small_batch_window_splits`, since the window programs alone would leave most of the GPU idle.
+      One window program walks ~6 blocks of the sink and ring one after another: 11 µs on the H100,
+      as long as the whole history at 8K;
+    - more, up to 2 per multiprocessor: MID_BATCH_WINDOW_SPLITS (2). H100, Qwen3 shapes, one layer, 1 / 4 /
+      2 window splits (data/window-splits-batch-h100.txt): 8x32K 81.6 / 78.8 / 77.1 µs, 32x8K 98.0 / 95.2 /
+      94.4, 32x32K 263.9 / 265.7 / 260.7, 16x4K 43.1 / - / 39.9; 16x32K 138.0 / 145.2 / 140.3 (1 is best
+      there; the rule before took 4). With 4 pairs per multiprocessor (64x4K, 64x8K) 1 is 1-2% faster;
+    - otherwise 1."""
+    if programs <= SMALL_BATCH_PROGRAMS:
+        return _small_batch_window_splits(programs) if history_splits >= 8 else 1
+    return MID_BATCH_WINDOW_SPLITS if programs <= 2 * sms else 1
 
 
 def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
@@ -243,12 +254,14 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
 
 def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
                        device: torch.device) -> int:
-    """The window splits among `num_splits` (the inverse of `choose_splits`' choice)."""
+    """The window splits among `num_splits` (the inverse of `choose_splits`' choice; 1 where `num_splits`
+    leaves no history split beside them)."""
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
     if m_blocks > 1:
         return 1
     sms = _multiprocessor_count(device)
-    return _window_splits(programs, num_splits - _small_batch_window_splits(programs), sms)
+    windows = _window_splits(programs, num_splits - _small_batch_window_splits(programs), sms)
+    return windows if num_splits > windows else 1
 
 
 MAX_ROW_GROUPS = 2  # four: 255 registers with spills, slower on every benchmark shape
