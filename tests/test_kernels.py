@@ -291,6 +291,21 @@ def test_decode_windows_shared_by_several_splits():
     _drive(layout, 4, [[300, 220], [1, 1], [1, 1]], num_splits=7, window_splits=3)
 
 
+@pytest.mark.parametrize("window_splits,window", [(3, 0), (5, 0), (3, 150)])
+def test_decode_windows_in_blocks_smaller_than_the_sink(monkeypatch, window_splits, window):
+    """One-warp window programs read 16-key blocks: the 64-token sink's four blocks go round the window
+    splits with the ring's (5 splits: one takes no sink block), the combine merges 32 channels per
+    program; with a sliding window that starts inside the ring."""
+    import oscarkv.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "WINDOW_WARPS", 1)
+    monkeypatch.setattr(ops, "WINDOW_BLOCK_N", 16)
+    monkeypatch.setattr(ops, "COMBINE_D_BLOCK", 32)
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, page_size=16, sink_tokens=64, recent_tokens=128)
+    _drive(layout, 8, [[300, 70, 40], [1, 1, 1], [1, 1, 0]], num_splits=window_splits + 3,
+           window_splits=window_splits, window=window)
+
+
 @pytest.mark.parametrize("page,options", [(16, {}), (16, dict(shift_block=32, per_head_rotation=True)), (64, {})])
 def test_decode_flush_in_the_write_launch_matches_reference(page, options):
     """Decode steps (one new token at most per sequence) run the flush and the write as one launch,
@@ -418,12 +433,24 @@ def test_attention_checks_query_heads():
         attend_step(run.layer, batch, q, kv.bfloat16(), kv, 0.125)
 
 
-def test_attention_benchmark_compares_the_same_contents():
-    """The benchmark's BF16 baseline attends over exactly what the INT2 kernel reads."""
+def test_attention_benchmark_compares_the_same_contents(monkeypatch):
+    """The benchmark's BF16 baseline attends over exactly what the INT2 kernel reads, and its same-size copy
+    moves the bytes the kernel must read."""
+    from oscarkv.benchmarks import attention
     from oscarkv.benchmarks.attention import bench_decode
 
+    copies = []
+    real_copy = attention.same_bytes_copy_us
+
+    def recorded_copy(nbytes, device, timer):  # the real copy runs; its time is set, to check the ratio
+        copies.append(nbytes)
+        return (real_copy(nbytes, device, timer), 4.0)[1]
+
+    monkeypatch.setattr(attention, "same_bytes_copy_us", recorded_copy)
     result = bench_decode(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, copy_gbs=1.0, device=DEVICE,
                           timer=lambda fn: (fn(), 1.0)[1], inner=0.38)
+    assert copies == [result.int2_bytes]  # the copy moves the bytes the kernel reads
+    assert result.same_bytes_copy_us == 4.0 and result.int2_fraction_of_same_bytes_copy == 4.0
     assert result.max_abs_error <= OUTPUT_TOLERANCE
     assert result.lloyd_us == 1.0 and result.lloyd_max_abs_error <= OUTPUT_TOLERANCE
     assert result.sdpa_gap <= 2e-2  # BF16 SDPA output vs the kernel's, same contents

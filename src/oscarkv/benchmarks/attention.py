@@ -46,6 +46,10 @@ class AttentionResult:
     sdpa_backend: str
     lloyd_us: float | None = None  # the same step with Lloyd–Max levels (`inner`), same codes
     lloyd_max_abs_error: float | None = None  # that kernel vs the torch reference at those levels
+    # A device-to-device copy that moves int2_bytes (half read, half written), timed as the kernels are:
+    # what the copy bandwidth becomes at this size, launch and ramp included.
+    same_bytes_copy_us: float | None = None
+    int2_fraction_of_same_bytes_copy: float | None = None  # same_bytes_copy_us / int2_us
 
 
 @dataclass
@@ -73,6 +77,15 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     us = _time_us(lambda: dst.copy_(src), graph=False)
     return 2 * nbytes / us / 1e3
+
+
+def same_bytes_copy_us(nbytes: int, device: torch.device, timer=_time_us) -> float:
+    """Time of a device-to-device copy that moves `nbytes` in all (nbytes / 2 read, nbytes / 2 written),
+    measured with `timer` as the kernels are (CUDA graphs, back to back). At the sizes of one decode
+    layer this is below the 2 GiB copy's bandwidth: a launch, the ramp and the tail weigh more."""
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src))
 
 
 def _layout(kv_heads: int, head_dim: int, group: int, key_bits: int = 2) -> PagedLayout:
@@ -189,6 +202,7 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     sdpa_bytes = 2 * k_full.numel() * 2 + 2 * q.numel() * 2
     copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
     int2_gbs = int2_bytes / int2_us / 1e3
+    copy_us = same_bytes_copy_us(int2_bytes, device, timer)
     lloyd_us = lloyd_error = None
     if inner is not None:
         del k_full, v_full, reference_out
@@ -205,7 +219,7 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
         lloyd_us = timer(lloyd)
     return AttentionResult(batch, context, sdpa_us, int2_us, sdpa_us / int2_us, sdpa_bytes, int2_bytes,
                            sdpa_bytes / sdpa_us / 1e3, int2_gbs, int2_gbs / copy_gbs, copy_gbs, error, sdpa_gap,
-                           splits, backend, lloyd_us, lloyd_error)
+                           splits, backend, lloyd_us, lloyd_error, copy_us, copy_us / int2_us)
 
 
 def _sdpa_flash(q, k, v):

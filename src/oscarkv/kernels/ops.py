@@ -191,6 +191,11 @@ SMALL_BATCH_WINDOW_SPLITS = 4
 SMALL_BATCH_WINDOW_PROGRAMS = 24
 SMALL_BATCH_PROGRAMS = 32  # (sequence, KV head) pairs up to which a decode step takes 4-8 window splits
 MID_BATCH_WINDOW_SPLITS = 2  # beyond, up to 2 pairs per multiprocessor (`_window_splits`)
+# Decode window programs: warps and keys per block (None: the history's 64), and the combine's channels per
+# program (None: all); see `launch_attention`.
+WINDOW_WARPS = 4
+WINDOW_BLOCK_N: int | None = None
+COMBINE_D_BLOCK: int | None = None
 
 
 def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int) -> tuple[int, int]:
@@ -397,7 +402,8 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
         context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
         row_groups = choose_row_groups(layer, batch.max_new, q.shape[1], num_splits, window_splits, context)
     launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=window_splits,
-                     row_groups=row_groups)
+                     row_groups=row_groups, window_warps=WINDOW_WARPS, window_block_n=WINDOW_BLOCK_N,
+                     combine_d_block=COMBINE_D_BLOCK)
     return out
 
 

@@ -897,11 +897,18 @@ def _paged_attention_kernel(
     if split < WS and REGIONS != 1:
         head_row = slot.to(tl.int64) * HKV + h
         if S > 0:
-            if split == 0:
-                sink_pos = tl.arange(0, SINK_BLOCK)
-                m, l, a0, a1, a2, a3 = _window_block(
-                    sink_k_ptr, sink_v_ptr, head_row * S + sink_pos, sink_pos < tl.minimum(old, S), sink_pos,
-                    q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
+            if SINK_BLOCK <= BLOCK_N:  # the sink in one block, read by split 0
+                if split == 0:
+                    sink_pos = tl.arange(0, SINK_BLOCK)
+                    m, l, a0, a1, a2, a3 = _window_block(
+                        sink_k_ptr, sink_v_ptr, head_row * S + sink_pos, sink_pos < tl.minimum(old, S), sink_pos,
+                        q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
+            else:  # key blocks smaller than the sink (one-warp window programs): its blocks go round the splits
+                for first in range(split * BLOCK_N, tl.minimum(old, S), WS * BLOCK_N):
+                    sink_pos = first + tl.arange(0, BLOCK_N)
+                    m, l, a0, a1, a2, a3 = _window_block(
+                        sink_k_ptr, sink_v_ptr, head_row * S + sink_pos, sink_pos < tl.minimum(old, S), sink_pos,
+                        q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
         for first in range(end_new + split * BLOCK_N, old, WS * BLOCK_N):
             key_pos = first + tl.arange(0, BLOCK_N)
             m, l, a0, a1, a2, a3 = _window_block(
@@ -941,11 +948,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    SPLIT_BLOCK: tl.constexpr, WAIT: tl.constexpr = False):
+                    SPLIT_BLOCK: tl.constexpr, WAIT: tl.constexpr = False, D_BLOCK: tl.constexpr = 0):
     """Merge the splits of one (token, query head): out = Σ w_s o_s / Σ w_s, w_s = 2^(lse_s - max).
     WAIT: launched early (programmatic dependent launch), so wait for the splits first; the launch
     after it (the output projection's matrix-vector product at batch 1) may start early in turn and
-    load its weights meanwhile."""
+    load its weights meanwhile. D_BLOCK (0: D): the channels of one program, program_id(1) saying
+    which block of them."""
     if WAIT:
         _gdc_launch_dependents()
         _gdc_wait()
@@ -957,7 +965,8 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLI
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)
     total = tl.sum(weight, 0)
-    cols = tl.arange(0, D)
+    DB: tl.constexpr = D if D_BLOCK == 0 else D_BLOCK
+    cols = tl.program_id(1) * DB + tl.arange(0, DB)
     o = tl.load(part_o_ptr + (row * NUM_SPLITS + splits)[:, None] * D + cols[None, :], mask=in_range[:, None],
                 other=0.0)
     merged = tl.sum(o * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -991,7 +1000,8 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
                      maxnreg: int | None = None, window_splits: int = 1, overlap: bool | None = None,
-                     window_first: bool = False, row_groups: int = 1) -> None:
+                     window_first: bool = False, row_groups: int = 1, window_block_n: int | None = None,
+                     combine_d_block: int | None = None) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
@@ -1050,19 +1060,21 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         grouped = row_groups if batch.max_new == 1 and d >= 128 and row_groups * group <= block_m else 1
         history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
                    dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))
-        windows = ((b * lay.kv_heads, m_blocks, ws), dict(REGIONS=2, num_warps=window_warps, num_stages=2))
+        windows = ((b * lay.kv_heads, m_blocks, ws),
+                   dict(REGIONS=2, num_warps=window_warps, num_stages=2, BLOCK_N=window_block_n or block_n))
         first, second = (windows, history) if window_first else (history, windows)
-        _paged_attention_kernel[first[0]](*args, **shape, **first[1], OVERLAP=int(overlap))
-        _paged_attention_kernel[second[0]](*args, **shape, **second[1], OVERLAP=2 * int(overlap),
+        _paged_attention_kernel[first[0]](*args, **{**shape, **first[1]}, OVERLAP=int(overlap))
+        _paged_attention_kernel[second[0]](*args, **{**shape, **second[1]}, OVERLAP=2 * int(overlap),
                                            **_programmatic(overlap))
     else:
         _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits)](
             *args, **shape, REGIONS=0, num_warps=num_warps, num_stages=2)
     if num_splits > 1:
         rows = q.shape[0] * hq
-        _combine_kernel[(rows,)](part_o, part_lse, out, D=d, NUM_SPLITS=num_splits,
-                                 SPLIT_BLOCK=triton.next_power_of_2(num_splits), WAIT=overlap,
-                                 **_programmatic(overlap))
+        d_block = combine_d_block or d
+        _combine_kernel[(rows, d // d_block)](part_o, part_lse, out, D=d, NUM_SPLITS=num_splits,
+                                              SPLIT_BLOCK=triton.next_power_of_2(num_splits), WAIT=overlap,
+                                              D_BLOCK=d_block, **_programmatic(overlap))
 
 
 def lloyd_factors(inner: float | None) -> tuple[float, float]:
