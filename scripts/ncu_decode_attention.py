@@ -20,7 +20,7 @@ div = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 case = decode_case(batch, context)
 layer, step, q, k, v = case.layer, case.step, case.q, case.k_new, case.v_new
 chosen = choose_splits(layer, batch, 1, 32, context, q.device)
-ws = window_split_count(layer, batch, 1, 32, chosen, q.device)
+ws = window_split_count(layer, batch, 1, 32, chosen, context, q.device)
 chosen = (chosen - ws) // div + ws
 out = torch.empty_like(q)
 work = (torch.empty(batch, 32, chosen, 128, dtype=torch.float32, device=q.device), torch.empty(batch, 32, chosen, dtype=torch.float32, device=q.device))

@@ -61,7 +61,7 @@ def main() -> None:
         case = decode_case(batch, context)
         layer, step, q, k, v = case.layer, case.step, case.q, case.k_new, case.v_new
         splits = choose_splits(layer, batch, 1, 32, context, device)
-        window_splits = window_split_count(layer, batch, 1, 32, splits, device)
+        window_splits = window_split_count(layer, batch, 1, 32, splits, context, device)
         workspace = (torch.empty(batch, 32, splits, 128, device=device), torch.empty(batch, 32, splits, device=device))
         nbytes = decode_bytes(case, context)
 

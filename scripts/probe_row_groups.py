@@ -25,7 +25,7 @@ for shape in sys.argv[1].split(","):
     scale = 128 ** -0.5
     expected = reference.attention_reference(layer, step, q, k, v, scale).float()
     chosen = choose_splits(layer, batch, 1, 32, context, q.device)
-    wsplits = window_split_count(layer, batch, 1, 32, chosen, q.device)
+    wsplits = window_split_count(layer, batch, 1, 32, chosen, context, q.device)
     for rg, stages, div, warps in configs:
         hist = max(1, (chosen - wsplits) // div)
         splits = hist + wsplits

@@ -23,7 +23,7 @@ for shape in sys.argv[1].split(","):
     scale = d ** -0.5
     expected = reference.attention_reference(layer, step, q, k, v, scale).float()
     chosen = choose_splits(layer, batch, 1, hq, context, q.device)
-    history = chosen - window_split_count(layer, batch, 1, hq, chosen, q.device)
+    history = chosen - window_split_count(layer, batch, 1, hq, chosen, context, q.device)
     for wsplits, warps in configs:
         splits = history + wsplits
         out = torch.empty_like(q)

@@ -58,7 +58,7 @@ def main() -> None:
             def fn(separate=separate, warps=warps, stages=stages, splits=splits, out=out, ws=ws, maxnreg=maxnreg):
                 launch_attention(layer, step, q, k, v, out, scale, 0, splits, ws, separate_windows=separate,
                                  num_warps=warps, num_stages=stages, maxnreg=maxnreg,
-                                 window_splits=window_split_count(layer, batch, 1, 32, splits, q.device))
+                                 window_splits=window_split_count(layer, batch, 1, 32, splits, context, q.device))
 
             try:
                 fn()

@@ -256,20 +256,26 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
     splits = lambda batch, context: ops.choose_splits(layer, batch, 1, 32, context, torch.device("cpu"))  # noqa: E731
     assert [splits(1, c) for c in (8192, 32768, 131072)] == [66 + 4, 66 + 4, 128 + 4]
-    # batches beyond 4 (32 sequence-head pairs) take 2 window splits, up to 2 pairs per multiprocessor
-    assert [splits(b, 32768) for b in (4, 8, 32, 66, 81)] == [33 + 4, 16 + 2, 4 + 2, 2 + 1, 4 + 1]
+    # batches beyond 4 (32 sequence-head pairs) take 2 four-warp window splits, up to 2 pairs per
+    # multiprocessor; where those history splits read 64 pages or more (32x32K: 128), one one-warp split
+    assert [splits(b, 32768) for b in (4, 8, 32, 66, 81)] == [33 + 4, 16 + 2, 4 + 1, 2 + 1, 4 + 1]
+    assert splits(32, 8192) == 4 + 2  # 32 pages per history split
+    plan = lambda batch, total, context=32768: ops.window_plan(  # noqa: E731
+        layer, batch, 1, 32, total, context, torch.device("cpu"))
     for batch in (1, 4, 8, 32, 66, 81):
         total = splits(batch, 32768)
-        assert ops.window_split_count(layer, batch, 1, 32, total, torch.device("cpu")) == total - {
-            1: 66, 4: 33, 8: 16, 32: 4, 66: 2, 81: 4}[batch]
+        assert plan(batch, total).splits == total - {1: 66, 4: 33, 8: 16, 32: 4, 66: 2, 81: 4}[batch]
+        assert (plan(batch, total).warps, plan(batch, total).block_n) == ((1, 16) if batch == 32 else (4, None))
+    assert plan(32, 6, 8192) == ops.WindowPlan(2)
+    assert ops.window_split_count(layer, 32, 1, 32, 5, 32768, torch.device("cpu")) == 1
     # few KV heads (SmolLM2: 3) share the windows among 8 splits each, and the inverse finds them
     small = SimpleNamespace(layout=PagedLayout(kv_heads=3, head_dim=64, group_size=64))
     for batch, context in ((1, 4096), (1, 8192), (2, 4096), (64, 4096)):
         total = ops.choose_splits(small, batch, 1, 9, context, torch.device("cpu"))
-        windows = ops.window_split_count(small, batch, 1, 9, total, torch.device("cpu"))
+        windows = ops.window_split_count(small, batch, 1, 9, total, context, torch.device("cpu"))
         assert windows == {1: 8, 2: 4, 64: 2}[batch], (batch, context, total, windows)
     # a split count given by the caller that leaves no history split: the windows take one
-    assert ops.window_split_count(layer, 32, 1, 32, 2, torch.device("cpu")) == 1
+    assert ops.window_split_count(layer, 32, 1, 32, 2, 8192, torch.device("cpu")) == 1
 
 
 def test_row_groups_only_for_long_decode_splits():
@@ -292,18 +298,16 @@ def test_decode_windows_shared_by_several_splits():
 
 
 @pytest.mark.parametrize("window_splits,window", [(3, 0), (5, 0), (3, 150)])
-def test_decode_windows_in_blocks_smaller_than_the_sink(monkeypatch, window_splits, window):
+def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window):
     """One-warp window programs read 16-key blocks: the 64-token sink's four blocks go round the window
     splits with the ring's (5 splits: one takes no sink block), the combine merges 32 channels per
     program; with a sliding window that starts inside the ring."""
-    import oscarkv.kernels.ops as ops
+    from oscarkv.kernels.ops import COMBINE_CHANNELS, WindowPlan
 
-    monkeypatch.setattr(ops, "WINDOW_WARPS", 1)
-    monkeypatch.setattr(ops, "WINDOW_BLOCK_N", 16)
-    monkeypatch.setattr(ops, "COMBINE_D_BLOCK", 32)
+    assert COMBINE_CHANNELS == 32  # head_dim 128: four combine programs per row
     layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, page_size=16, sink_tokens=64, recent_tokens=128)
     _drive(layout, 8, [[300, 70, 40], [1, 1, 1], [1, 1, 0]], num_splits=window_splits + 3,
-           window_splits=window_splits, window=window)
+           window_splits=WindowPlan(window_splits, warps=1, block_n=16), window=window)
 
 
 @pytest.mark.parametrize("page,options", [(16, {}), (16, dict(shift_block=32, per_head_rotation=True)), (64, {})])
@@ -461,7 +465,8 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch runs on a GPU")
 @pytest.mark.parametrize("batch,context", [(1, 9000), (3, 2500)])
 @pytest.mark.parametrize("window_first", [False, True])
-def test_overlapped_decode_launches_equal_serial_launches(batch, context, window_first):
+@pytest.mark.parametrize("one_warp", [False, True])
+def test_overlapped_decode_launches_equal_serial_launches(batch, context, window_first, one_warp):
     """History, window and combine launches that overlap (programmatic dependent launch) give the
     bit-identical output of three serial launches, every time: the combine never reads a partial
     before both launches have written it."""
@@ -475,20 +480,22 @@ def test_overlapped_decode_launches_equal_serial_launches(batch, context, window
     case = decode_case(batch, context, query_heads=16, kv_heads=4)
     layer, step, q, k, v = case.layer, case.step, case.q, case.k_new, case.v_new
     splits = choose_splits(layer, batch, 1, 16, context, q.device)
-    ws = window_split_count(layer, batch, 1, 16, splits, q.device)
+    ws = window_split_count(layer, batch, 1, 16, splits, context, q.device)
     workspace = (torch.empty(batch, 16, splits, 128, device=q.device), torch.empty(batch, 16, splits, device=q.device))
+    # the window programs and combine of the long-split plan (one warp, 16-key blocks, 32 channels) too
+    plan = dict(window_warps=1, window_block_n=16, combine_d_block=32) if one_warp else {}
     outputs = {}
     for overlap in (False, True):
         out = torch.zeros_like(q)
         launch_attention(layer, step, q, k, v, out, 128 ** -0.5, 0, splits, workspace, window_splits=ws,
-                         overlap=overlap, window_first=window_first)
+                         overlap=overlap, window_first=window_first, **plan)
         outputs[overlap] = out
     assert ws > 1 or batch > 1
     assert torch.equal(outputs[True], outputs[False])
     for _ in range(20):
         workspace[0].fill_(float("nan"))  # a partial read before it is written would show
         launch_attention(layer, step, q, k, v, outputs[True], 128 ** -0.5, 0, splits, workspace, window_splits=ws,
-                         overlap=True, window_first=window_first)
+                         overlap=True, window_first=window_first, **plan)
         assert torch.equal(outputs[True], outputs[False])
 
 
@@ -502,7 +509,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "26 kernel configurations compiled for sm_90" in done.stdout
+    assert "27 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads,per_head", [(64, 9, 3, False), (64, 9, 3, True),

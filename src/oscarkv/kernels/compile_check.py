@@ -89,16 +89,19 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         # launches overlap (programmatic dependent launch) from sm_90: history first, windows second.
         pdl = arch >= 90
 
-        def attention(splits: int, regions: int, windows: int, shifted: bool = False, **extra):
+        def attention(splits: int, regions: int, windows: int, shifted: bool = False, warps: int | None = None,
+                      block_n: int = 64, **extra):
             overlap = 0 if regions == 0 or not pdl else regions
             return (triton_attention._paged_attention_kernel, ATTENTION_TYPES,
-                    {**dict(shape, PART_PAGE=regions == 0, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16, BLOCK_N=64,
-                            SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True, REGIONS=regions,
-                            WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, OVERLAP=overlap,
-                            ROW_GROUPS=1), **extra},
-                    dict(num_warps=1 if regions == 1 else 4, num_stages=2))
+                    {**dict(shape, PART_PAGE=regions == 0, HQ=hq, HKV=hkv, NUM_SPLITS=splits, BLOCK_M=16,
+                            BLOCK_N=block_n, SINK_BLOCK=max(16, 1 << (sink - 1).bit_length()), ASM=True,
+                            REGIONS=regions, WINDOW_SPLITS=windows, KEY_SHIFTS=shifted, SHIFT_BLOCK=1024,
+                            OVERLAP=overlap, ROW_GROUPS=1), **extra},
+                    dict(num_warps=warps or (1 if regions == 1 else 4), num_stages=2))
 
         jobs = [attention(*job) for job in ((1, 0, 1), (17, 1, 4), (17, 2, 4), (17, 1, 4, True))]
+        if d == 128:  # one-warp window programs of 16-key blocks (`ops.window_plan`)
+            jobs.append(attention(17, 2, 1, warps=1, block_n=16))
         if d >= 128:  # decode history with two pages per softmax step (`ops.choose_row_groups`)
             jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
@@ -133,7 +136,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         jobs.append((triton_attention._score_shift_kernel, SCORE_SHIFT_TYPES, dict(HQ=hq, HKV=hkv, D=d, BLOCK_B=32),
                      {}))
         jobs.append((triton_attention._combine_kernel, COMBINE_TYPES,
-                     dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32, WAIT=pdl), {}))
+                     dict(D=d, NUM_SPLITS=17, SPLIT_BLOCK=32, WAIT=pdl, D_BLOCK=min(32, d)), {}))
         jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))

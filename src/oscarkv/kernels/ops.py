@@ -191,11 +191,19 @@ SMALL_BATCH_WINDOW_SPLITS = 4
 SMALL_BATCH_WINDOW_PROGRAMS = 24
 SMALL_BATCH_PROGRAMS = 32  # (sequence, KV head) pairs up to which a decode step takes 4-8 window splits
 MID_BATCH_WINDOW_SPLITS = 2  # beyond, up to 2 pairs per multiprocessor (`_window_splits`)
-# Decode window programs: warps and keys per block (None: the history's 64), and the combine's channels per
-# program (None: all); see `launch_attention`.
-WINDOW_WARPS = 4
-WINDOW_BLOCK_N: int | None = None
-COMBINE_D_BLOCK: int | None = None
+# Keys per block of one-warp window programs (`window_plan`; None: never one-warp), and the channels each
+# combine program merges (`launch_attention`'s combine_d_block).
+ONE_WARP_WINDOW_BLOCK: int | None = 16
+COMBINE_CHANNELS = 32
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """The programs of a decode step that read the BF16 windows (sink, ring, the step's own tokens): how
+    many per (sequence, KV head), their warps, and their keys per block (None: 64)."""
+    splits: int
+    warps: int = 4
+    block_n: int | None = None
 
 
 def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int) -> tuple[int, int]:
@@ -210,6 +218,21 @@ def _small_batch_window_splits(programs: int) -> int:
     16.8 to 15.4 µs on the H100, while 8 KV heads (Qwen3) were fastest at 4 (1x32K 18.7 against 19.1 µs;
     data/window-splits-h100.txt)."""
     return max(SMALL_BATCH_WINDOW_SPLITS, min(8, -(-SMALL_BATCH_WINDOW_PROGRAMS // max(programs, 1))))
+
+
+def _one_warp_windows(layer: PagedLayer, programs: int, history_splits: int, max_context: int, sms: int) -> bool:
+    """Whether a decode step's windows are read by one one-warp program per (sequence, KV head): for
+    SMALL_BATCH_PROGRAMS to 2·sms (sequence, KV head) pairs (where MID_BATCH_WINDOW_SPLITS applies otherwise),
+    with head_dim 128, where the history splits read ROW_GROUP_MIN_PAGES pages or more. A one-warp program reading 16-key blocks takes about 167 registers and fits beside the one-warp
+    history programs, so it runs while they do; a four-warp one (168 registers a thread) does not fit, and
+    runs when they end. H100, Qwen3 shapes, one layer (data/window-programs-h100.txt): 32x32K 263.0 ->
+    258.5 µs and whole Qwen3-4B steps at 32x32K 14.01 -> 13.92 ms; with shorter splits it loses (32x8K
+    94.0 -> 96.3-113.9 µs, batch 1 at 32K-128K by 3-10 µs: the one-warp chain of 16-key blocks outlasts
+    the history there)."""
+    lay = layer.layout
+    pages = -(-max(max_context - lay.sink_tokens, 0) // lay.page_size)
+    return (ONE_WARP_WINDOW_BLOCK is not None and SMALL_BATCH_PROGRAMS < programs <= 2 * sms
+            and lay.head_dim == 128 and -(-pages // max(history_splits, 1)) >= ROW_GROUP_MIN_PAGES)
 
 
 def _window_splits(programs: int, history_splits: int, sms: int) -> int:
@@ -254,19 +277,29 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
     # splits instead of 127; fewer still is slower: 31 splits 22.2 µs).
     history = min(history, max(tokens // layer.layout.page_size // MIN_PAGES_PER_SPLIT, history // 2))
     history = max(1, min(history, tokens // 64, MAX_HISTORY_SPLITS))
+    if _one_warp_windows(layer, programs, history, max_context, sms):
+        return history + 1
     return history + _window_splits(programs, history, sms)
 
 
-def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
-                       device: torch.device) -> int:
-    """The window splits among `num_splits` (the inverse of `choose_splits`' choice; 1 where `num_splits`
-    leaves no history split beside them)."""
+def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
+                max_context: int, device: torch.device) -> WindowPlan:
+    """The window programs among `num_splits` (the inverse of `choose_splits`' choice for `max_context`; one
+    four-warp split where `num_splits` leaves no history split beside them)."""
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
-    if m_blocks > 1:
-        return 1
+    if m_blocks > 1 or num_splits < 2:
+        return WindowPlan(1)
     sms = _multiprocessor_count(device)
+    if _one_warp_windows(layer, programs, num_splits - 1, max_context, sms):
+        return WindowPlan(1, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
     windows = _window_splits(programs, num_splits - _small_batch_window_splits(programs), sms)
-    return windows if num_splits > windows else 1
+    return WindowPlan(windows if num_splits > windows else 1)
+
+
+def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
+                       max_context: int, device: torch.device) -> int:
+    """The window splits among `num_splits` (`window_plan`)."""
+    return window_plan(layer, batch_size, max_new, query_heads, num_splits, max_context, device).splits
 
 
 MAX_ROW_GROUPS = 2  # four: 255 registers with spills, slower on every benchmark shape
@@ -371,12 +404,13 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                 scale: float, window: int = 0, backend: str = "auto", num_splits: int | None = None,
                 max_context: int | None = None, out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
-                window_splits: int | None = None, row_groups: int | None = None) -> torch.Tensor:
+                window_splits: int | WindowPlan | None = None, row_groups: int | None = None) -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] (rotated by R_K) over the cache and the step itself.
 
     k_rot, v: [T, Hkv, D] from `write_step` (call it first). Returns [T, Hq, D] in q.dtype.
     num_splits / out / workspace: fix them (with validate=False) for a CUDA-graph-captured step.
-    window_splits: how many of the splits share the BF16 windows (None: `window_split_count`).
+    window_splits: how many of the splits share the BF16 windows, as four-warp programs, or a `WindowPlan`
+    (None: `window_plan`).
     row_groups: history pages per softmax step in decode (None: `choose_row_groups`).
     """
     lay = layer.layout
@@ -390,20 +424,23 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     from .triton_attention import launch_attention
 
     if num_splits is None:
-        context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
-        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1], context, q.device)
+        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1],
+                                   max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size,
+                                   q.device)
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1 and workspace is None:
         workspace = (torch.empty(q.shape[0], q.shape[1], num_splits, q.shape[2], dtype=torch.float32, device=q.device),
                      torch.empty(q.shape[0], q.shape[1], num_splits, dtype=torch.float32, device=q.device))
+    context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
     if window_splits is None:
-        window_splits = window_split_count(layer, batch.batch, batch.max_new, q.shape[1], num_splits, q.device)
+        plan = window_plan(layer, batch.batch, batch.max_new, q.shape[1], num_splits, context, q.device)
+    else:
+        plan = window_splits if isinstance(window_splits, WindowPlan) else WindowPlan(window_splits)
     if row_groups is None:
-        context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
-        row_groups = choose_row_groups(layer, batch.max_new, q.shape[1], num_splits, window_splits, context)
-    launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=window_splits,
-                     row_groups=row_groups, window_warps=WINDOW_WARPS, window_block_n=WINDOW_BLOCK_N,
-                     combine_d_block=COMBINE_D_BLOCK)
+        row_groups = choose_row_groups(layer, batch.max_new, q.shape[1], num_splits, plan.splits, context)
+    launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=plan.splits,
+                     row_groups=row_groups, window_warps=plan.warps, window_block_n=plan.block_n,
+                     combine_d_block=min(COMBINE_CHANNELS, lay.head_dim))
     return out
 
 

@@ -1021,7 +1021,12 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
 
     row_groups (decode history launch, D >= 128; `ops.choose_row_groups`): pages per softmax step, each
     read by its own copy of the query heads (see ROW_GROUPS in the kernel); 1 where they do not fit
-    the block's rows."""
+    the block's rows.
+
+    window_warps, window_block_n (None: block_n): the window programs' warps and keys per block
+    (`ops.window_plan`: one warp and 16 keys fit beside the one-warp history programs; a sink longer
+    than the block goes round the window splits block by block). combine_d_block (None: head_dim):
+    the channels each combine program merges."""
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads
