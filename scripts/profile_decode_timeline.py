@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from oscarkv.benchmarks.decode import _patch, fill, release_memory
-from oscarkv.integrations.static_decode import _StepBuffers, fast_step_ops, slot_cache_for
+from oscarkv.integrations.static_decode import StaticDecoder, _StepBuffers, fast_step_ops, slot_cache_for
 from oscarkv.models import load_model
 
 
@@ -50,6 +50,17 @@ def short(name: str) -> str:
     return name.split("(")[0][:60]
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Mean ms of `replays` back-to-back replays of `graph` (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def step_kernels(model, cache_name: str, batch: int, context: int, replays: int):
     """Kernels (start µs, end µs, name) of the middle replay of `replays`, and the mean step ms with and
     without the profiler."""
@@ -66,8 +77,6 @@ def step_kernels(model, cache_name: str, batch: int, context: int, replays: int)
     done = 0
     try:
         with torch.inference_mode(), fast_step_ops(model):
-            from oscarkv.integrations.static_decode import StaticDecoder
-
             decoder = StaticDecoder(model, cache)
             for _ in range(2):
                 decoder._step(buffers)
@@ -75,22 +84,11 @@ def step_kernels(model, cache_name: str, batch: int, context: int, replays: int)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 decoder._step(buffers)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-            done += 1
-        end.record()
-        end.synchronize()
-        plain_ms = start.elapsed_time(end) / replays
+        plain_ms = replay_ms(graph, replays)
+        done += replays
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-                done += 1
-            end.record()
-            end.synchronize()
-        profiled_ms = start.elapsed_time(end) / replays
+            profiled_ms = replay_ms(graph, replays)
+        done += replays
     finally:
         cache.thaw(done)
         del cache
