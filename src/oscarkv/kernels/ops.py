@@ -223,9 +223,9 @@ def _small_batch_window_splits(programs: int) -> int:
 def _one_warp_windows(layer: PagedLayer, programs: int, history_splits: int, max_context: int, sms: int) -> bool:
     """Whether a decode step's windows are read by one one-warp program per (sequence, KV head): for
     SMALL_BATCH_PROGRAMS to 2·sms (sequence, KV head) pairs (where MID_BATCH_WINDOW_SPLITS applies otherwise),
-    with head_dim 128, where the history splits read ROW_GROUP_MIN_PAGES pages or more. A one-warp program reading 16-key blocks takes about 167 registers and fits beside the one-warp
-    history programs, so it runs while they do; a four-warp one (168 registers a thread) does not fit, and
-    runs when they end. H100, Qwen3 shapes, one layer (data/window-programs-h100.txt): 32x32K 263.0 ->
+    with head_dim 128, where the history splits read ROW_GROUP_MIN_PAGES pages or more. A one-warp program
+    reading 16-key blocks takes about 167 registers and fits beside the one-warp history programs, so it
+    runs while they do; a four-warp one (168 registers a thread) does not fit, and runs when they end. H100, Qwen3 shapes, one layer (data/window-programs-h100.txt): 32x32K 263.0 ->
     258.5 µs and whole Qwen3-4B steps at 32x32K 14.01 -> 13.92 ms; with shorter splits it loses (32x8K
     94.0 -> 96.3-113.9 µs, batch 1 at 32K-128K by 3-10 µs: the one-warp chain of 16-key blocks outlasts
     the history there)."""
@@ -423,15 +423,13 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
         return reference.attention_reference(layer, batch, q, k_rot, v, scale, window).to(q.dtype)
     from .triton_attention import launch_attention
 
+    context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
     if num_splits is None:
-        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1],
-                                   max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size,
-                                   q.device)
+        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1], context, q.device)
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1 and workspace is None:
         workspace = (torch.empty(q.shape[0], q.shape[1], num_splits, q.shape[2], dtype=torch.float32, device=q.device),
                      torch.empty(q.shape[0], q.shape[1], num_splits, dtype=torch.float32, device=q.device))
-    context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
     if window_splits is None:
         plan = window_plan(layer, batch.batch, batch.max_new, q.shape[1], num_splits, context, q.device)
     else:
