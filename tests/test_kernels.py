@@ -264,8 +264,9 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
         layer, batch, 1, 32, total, context, torch.device("cpu"))
     for batch in (1, 4, 8, 32, 66, 81):
         total = splits(batch, 32768)
-        assert plan(batch, total).splits == total - {1: 66, 4: 33, 8: 16, 32: 4, 66: 2, 81: 4}[batch]
-        assert (plan(batch, total).warps, plan(batch, total).block_n) == ((1, 16) if batch == 32 else (4, None))
+        chosen = plan(batch, total)
+        assert chosen.splits == total - {1: 66, 4: 33, 8: 16, 32: 4, 66: 2, 81: 4}[batch]
+        assert (chosen.warps, chosen.block_n) == ((1, 16) if batch == 32 else (4, None))
     assert plan(32, 6, 8192) == ops.WindowPlan(2)
     assert ops.window_split_count(layer, 32, 1, 32, 5, 32768, torch.device("cpu")) == 1
     # few KV heads (SmolLM2: 3) share the windows among 8 splits each, and the inverse finds them
