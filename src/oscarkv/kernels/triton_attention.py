@@ -39,7 +39,6 @@ from .triton_pdl import programmatic as _programmatic
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
-_NEXT_PREFETCH = None  # EXPERIMENT: (int64 chunk-address table, lines per lane, evict_last)
 
 UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·2^-24 (see _as_float16_units)
 
@@ -693,8 +692,7 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
         REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
         SHIFT_BLOCK: tl.constexpr = 1, OVERLAP: tl.constexpr = 0, K_LLOYD: tl.constexpr = False,
-        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True, ROW_GROUPS: tl.constexpr = 1,
-        pf_ptr=None, pf_count=0, PF_LINES: tl.constexpr = 0, PF_LAST: tl.constexpr = True):
+        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True, ROW_GROUPS: tl.constexpr = 1):
     """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
     block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
     WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
@@ -817,9 +815,6 @@ def _paged_attention_kernel(
             # covers ROW_GROUPS pages instead of one page on G useful rows (`_merge_row_groups` after).
             group = tl.arange(0, BLOCK_M) // G
             for base in range(lo, hi, ROW_GROUPS):
-                if PF_LINES > 0:
-                    _prefetch_chunk(pf_ptr, pf_count, pid + history_split * tl.num_programs(0) +
-                                    (base - lo) // ROW_GROUPS * tl.num_programs(0) * PAGE_SPLITS, PF_LINES, PF_LAST)
                 s = tl.full([BLOCK_M, P], float("-inf"), tl.float32)
                 for a in tl.static_range(ROW_GROUPS):
                     s_a, row0 = _history_page_scores(
@@ -841,9 +836,6 @@ def _paged_attention_kernel(
                         V_LLOYD)
         else:
             for index in range(lo, hi):
-                if PF_LINES > 0:
-                    _prefetch_chunk(pf_ptr, pf_count, pid + history_split * tl.num_programs(0) +
-                                    (index - lo) * tl.num_programs(0) * PAGE_SPLITS, PF_LINES, PF_LAST)
                 s, row0 = _history_page_scores(
                     index, hi, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3,
                     qk4, qk5, qk6, qk7, g0, g1, g2, g3, _unit(k_unit, K_LLOYD), kc_ptr, ks_ptr, kz_ptr, shift_ptr,
@@ -952,20 +944,6 @@ def _paged_attention_kernel(
         tl.store(dst + 3 * W, a3 / l_safe[:, None], mask=mask)
     if OVERLAP == 2:
         _gdc_wait()
-
-
-@triton.jit
-def _prefetch_chunk(pf_ptr, pf_count, entry, PF_LINES: tl.constexpr, PF_LAST: tl.constexpr):
-    """Prefetch into L2 the chunk of 128-byte lines whose address is table entry `entry` (if any)."""
-    if entry < pf_count:
-        base = tl.load(pf_ptr + entry)
-        lines = base + tl.arange(0, 32 * PF_LINES).to(tl.int64) * 128
-        if PF_LAST:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [lines],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [lines],
-                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -1085,10 +1063,8 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         ws = shape["WINDOW_SPLITS"]
         registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and _maxnreg_supported() else {}
         grouped = row_groups if batch.max_new == 1 and d >= 128 and row_groups * group <= block_m else 1
-        pf = dict(pf_ptr=_NEXT_PREFETCH[0], pf_count=_NEXT_PREFETCH[0].numel(), PF_LINES=_NEXT_PREFETCH[1],
-                  PF_LAST=_NEXT_PREFETCH[2]) if _NEXT_PREFETCH is not None and cuda else {}
         history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
-                   dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers, **pf))
+                   dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))
         windows = ((b * lay.kv_heads, m_blocks, ws),
                    dict(REGIONS=2, num_warps=window_warps, num_stages=2, BLOCK_N=window_block_n or block_n))
         first, second = (windows, history) if window_first else (history, windows)
