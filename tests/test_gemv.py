@@ -84,52 +84,6 @@ def test_silu_mul_kernel(n, k, dtype):
     torch.testing.assert_close(out.float(), _reference_silu_mul(x, gate, up).float(), rtol=2.0**-7, atol=1e-6)
 
 
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("k", [40, 2560])  # below a power of two (masked columns), and Qwen3-4B's hidden size
-def test_norm_first_equals_the_norm_kernel_then_the_products(residual, silu, k):
-    """A launch with `NormFirst` stores the norm kernel's sum and normed row bit for bit, and its outputs are
-    the products of that normed row bit for bit."""
-    from oscarkv.kernels.triton_gemv import NormFirst, launch_gemv, launch_gemv_silu_mul
-    from oscarkv.kernels.triton_norm import launch_rms_norm
-
-    g = torch.Generator().manual_seed(k + 2 * residual + silu)
-    dtype = torch.bfloat16
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
-
-    x, r, weight = rand(k, scale=3.0), rand(k), rand(k, scale=0.5) + 1
-    weights = [rand(n, k, scale=k**-0.5) for n in ((9, 9) if silu else (33, 8, 7))]
-    n_out = 9 if silu else 48
-
-    def launch(row, out, norm=None):
-        if silu:
-            launch_gemv_silu_mul(row, *weights, out, norm=norm)
-        else:
-            launch_gemv(row, weights, [None] * 3, out, norm=norm)
-
-    expected_sum = torch.full((k,), float("nan"), dtype=dtype, device=DEVICE)
-    expected_normed = torch.full((k,), float("nan"), dtype=dtype, device=DEVICE)
-    launch_rms_norm(x, weight, 1e-6, expected_normed, residual=r if residual else None,
-                    summed=expected_sum if residual else None)
-    expected = torch.full((n_out,), float("nan"), dtype=dtype, device=DEVICE)
-    launch(expected_normed, expected)
-
-    summed = torch.full((k,), float("nan"), dtype=dtype, device=DEVICE)
-    normed = torch.full((k,), float("nan"), dtype=dtype, device=DEVICE)
-    out = torch.full((n_out,), float("nan"), dtype=dtype, device=DEVICE)
-    launch(x, out, NormFirst(weight, 1e-6, normed, r if residual else None, summed if residual else None))
-    assert torch.equal(normed, expected_normed)
-    if residual:
-        assert torch.equal(summed, expected_sum)
-    assert torch.equal(out, expected)
-    with pytest.raises(ValueError, match="alias"):
-        launch(x, out, NormFirst(weight, 1e-6, x))
-    with pytest.raises(ValueError, match="needs a summed row"):
-        launch(x, out, NormFirst(weight, 1e-6, normed, r))
-
-
 def _count_launches(monkeypatch) -> list[str]:
     from oscarkv.kernels import triton_gemv
 

@@ -24,8 +24,6 @@ whatever launch it is in. Reference: `torch.nn.functional.linear` (and `F.silu`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -46,39 +44,14 @@ def _start(OVERLAP: tl.constexpr):
 
 
 @triton.jit
-def _input(x_ptr, norm, K: tl.constexpr, KB: tl.constexpr, OVERLAP: tl.constexpr, NORM: tl.constexpr):
-    """The first KB columns of x as float32 (zero past K), read after the wait for the kernel before
-    (OVERLAP), which writes it. NORM 1: the RMSNorm of x; NORM 2: that of the residual add r + x. Both
-    round as `triton_norm._rms_norm_kernel` does. norm: (r_ptr, weight_ptr, eps, n, sum_ptr, normed_ptr),
-    n = K at run time (so that the mean divides as that kernel's does); program 0 stores the sum
-    (NORM 2) and the normed row, for whatever else reads them."""
+def _products(x_ptr, w_rows, row_ok, w_first, K: tl.constexpr, KB: tl.constexpr, OVERLAP: tl.constexpr):
+    """float32 [BLOCK_N]: the rows at `w_rows` ([BLOCK_N, 1] pointers) times x [K]. w_first: their
+    first KB columns, loaded by the caller before the wait for the kernel before (OVERLAP)."""
     cols = tl.arange(0, KB)
-    ok = cols < K
-    if NORM:
-        r_ptr, w_ptr, eps, n, sum_ptr, normed_ptr = norm
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # nothing before writes it
     if OVERLAP:
         gdc_wait()
-    x = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        dtype = normed_ptr.dtype.element_ty
-        if NORM == 2:
-            x = _round_to(tl.load(r_ptr + cols, mask=ok, other=0.0).to(tl.float32) + x, dtype)
-            if tl.program_id(0) == 0:
-                tl.store(sum_ptr + cols, x.to(dtype), mask=ok)
-        normed = _round_to(x * tl.math.rsqrt(tl.sum(x * x, 0) / n + eps), dtype)
-        x = _round_to(w * normed, dtype)
-        if tl.program_id(0) == 0:
-            tl.store(normed_ptr + cols, x.to(dtype), mask=ok)
-    return x
-
-
-@triton.jit
-def _products(x_ptr, x_first, w_rows, row_ok, w_first, K: tl.constexpr, KB: tl.constexpr):
-    """float32 [BLOCK_N]: the rows at `w_rows` ([BLOCK_N, 1] pointers) times x [K]. w_first, x_first: their
-    first KB columns (the weights loaded before the wait for the kernel before; `_input`)."""
-    cols = tl.arange(0, KB)
-    acc = w_first.to(tl.float32) * x_first[None, :]
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    acc = w_first.to(tl.float32) * x[None, :]
     for k0 in tl.static_range(KB, K, KB):
         k = k0 + cols
         x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
@@ -91,11 +64,9 @@ def _products(x_ptr, x_first, w_rows, row_ok, w_first, K: tl.constexpr, KB: tl.c
 def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, N0, N1, N2,
                  stride0: tl.constexpr, stride1: tl.constexpr, stride2: tl.constexpr, K: tl.constexpr,
                  KB: tl.constexpr, SEGMENTS: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
-                 r_ptr=None, nw_ptr=None, eps=0.0, norm_n=0, sum_ptr=None, normed_ptr=None,
-                 NORM: tl.constexpr = 0):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr):
     """y = [W0·x, W1·x, W2·x] (+ biases): the first cdiv(N0, BLOCK_N) programs own W0's rows, the
-    next W1's, the last W2's (SEGMENTS of them). NORM: x is normalized first (`_input`)."""
+    next W1's, the last W2's (SEGMENTS of them)."""
     _start(OVERLAP)
     pid = tl.program_id(0)
     local = tl.arange(0, BLOCK_N)
@@ -114,8 +85,7 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, N
     row_ok = rows < n
     cols = tl.arange(0, KB)
     w_first = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
-    x = _input(x_ptr, (r_ptr, nw_ptr, eps, norm_n, sum_ptr, normed_ptr), K, KB, OVERLAP, NORM)
-    y = _products(x_ptr, x, w_rows, row_ok, w_first, K, KB)
+    y = _products(x_ptr, w_rows, row_ok, w_first, K, KB, OVERLAP)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
@@ -125,11 +95,8 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, N
 @triton.jit
 def _gemv_silu_mul_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N, stride_g: tl.constexpr, stride_u: tl.constexpr,
                           K: tl.constexpr, KB: tl.constexpr,
-                          BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
-                          r_ptr=None, nw_ptr=None, eps=0.0, norm_n=0, sum_ptr=None, normed_ptr=None,
-                          NORM: tl.constexpr = 0):
-    """y = silu(Wg·x) * (Wu·x), each product, the activation and the result rounded to y's dtype. NORM: x is
-    normalized first (`_input`)."""
+                          BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr):
+    """y = silu(Wg·x) * (Wu·x), each product, the activation and the result rounded to y's dtype."""
     _start(OVERLAP)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -140,9 +107,8 @@ def _gemv_silu_mul_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N, stride_g: tl.constexp
     g_first = tl.load(g_rows + cols[None, :], mask=mask, other=0.0)
     u_first = tl.load(u_rows + cols[None, :], mask=mask, other=0.0)
     dtype = y_ptr.dtype.element_ty
-    x = _input(x_ptr, (r_ptr, nw_ptr, eps, norm_n, sum_ptr, normed_ptr), K, KB, OVERLAP, NORM)
-    gate = _round_to(_products(x_ptr, x, g_rows, row_ok, g_first, K, KB), dtype)
-    up = _round_to(_products(x_ptr, x, u_rows, row_ok, u_first, K, KB), dtype)
+    gate = _round_to(_products(x_ptr, g_rows, row_ok, g_first, K, KB, OVERLAP), dtype)
+    up = _round_to(_products(x_ptr, u_rows, row_ok, u_first, K, KB, False), dtype)
     activated = _round_to(gate / (1.0 + tl.exp(-gate)), dtype)
     tl.store(y_ptr + rows, _round_to(activated * up, dtype).to(dtype), mask=row_ok)
 
@@ -151,47 +117,12 @@ def _columns(k: int) -> int:
     return min(triton.next_power_of_2(k), CHUNK)
 
 
-@dataclass(frozen=True)
-class NormFirst:
-    """The input row goes through an RMSNorm before the products (a decoder layer's norm and the products after
-    it in one launch): normed = weight * round(s · rsqrt(mean(s²) + eps)) with s = residual + x (`residual`
-    given, rounded to x's dtype) or s = x, rounded as `triton_norm.launch_rms_norm` rounds. The launch
-    stores s into `summed` (with a residual) and the normed row into `normed`, for the other readers of
-    both. Each is a new row of K elements that aliases neither x nor the residual."""
-
-    weight: torch.Tensor
-    eps: float
-    normed: torch.Tensor
-    residual: torch.Tensor | None = None
-    summed: torch.Tensor | None = None
-
-
-def _norm_arguments(norm: NormFirst | None, x: torch.Tensor) -> dict:
-    """The kernels' norm arguments (none without a norm), after checking them against x."""
-    if norm is None:
-        return {}
-    if (norm.residual is None) != (norm.summed is None):
-        raise ValueError("NormFirst: a residual needs a summed row, and a summed row a residual.")
-    k = x.numel()
-    rows = [norm.weight, norm.normed] + ([norm.residual, norm.summed] if norm.residual is not None else [])
-    if k > CHUNK or any(t.numel() != k or t.dtype != x.dtype or not t.is_contiguous() for t in rows):
-        raise ValueError(f"NormFirst needs contiguous rows of the input's {k} elements (at most {CHUNK}) and dtype.")
-    outputs = [t for t in (norm.normed, norm.summed) if t is not None]
-    if any(o.data_ptr() == t.data_ptr() for o in outputs for t in (x, norm.residual) if t is not None):
-        raise ValueError("NormFirst: normed and summed must not alias the input or the residual.")
-    residual = norm.residual if norm.residual is not None else x
-    return dict(r_ptr=residual, nw_ptr=norm.weight, eps=norm.eps, norm_n=k,
-                sum_ptr=norm.summed if norm.summed is not None else norm.normed, normed_ptr=norm.normed,
-                NORM=2 if norm.residual is not None else 1)
-
-
 def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
                 biases: list[torch.Tensor | None] | torch.Tensor | None, out: torch.Tensor,
-                overlap: bool = False, norm: NormFirst | None = None) -> None:
+                overlap: bool = False) -> None:
     """out [ΣN] = [W·x (+ b) for each W] for one to three weights [N_i, K] with unit stride along K;
     biases: one entry per weight, all tensors or all None. A single weight and bias may be passed bare.
-    overlap: launch early and wait for the kernel before (programmatic dependent launch). norm: x goes
-    through that RMSNorm first (`NormFirst`)."""
+    overlap: launch early and wait for the kernel before (programmatic dependent launch)."""
     if isinstance(weights, torch.Tensor):
         weights, biases = [weights], [biases]
     if not 1 <= len(weights) <= MAX_SEGMENTS or len(biases) != len(weights):
@@ -210,15 +141,13 @@ def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
     _gemv_kernel[(programs,)](x, *padded, *bias_args, out, *(w.shape[0] for w in padded), **strides,
                               K=k, KB=_columns(k), SEGMENTS=len(weights),
                               HAS_BIAS=has_bias, BLOCK_N=BLOCK_N, OVERLAP=overlap, num_warps=4, num_stages=1,
-                              **_norm_arguments(norm, x), **programmatic(overlap))
+                              **programmatic(overlap))
 
 
 def launch_gemv_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor,
-                         overlap: bool = False, norm: NormFirst | None = None) -> None:
-    """out [N] = silu(gate·x) * (up·x) for gate, up [N, K] with unit stride along K; norm: x goes through
-    that RMSNorm first (`NormFirst`)."""
+                         overlap: bool = False) -> None:
+    """out [N] = silu(gate·x) * (up·x) for gate, up [N, K] with unit stride along K."""
     n, k = gate.shape
     _gemv_silu_mul_kernel[(triton.cdiv(n, BLOCK_N),)](x, gate, up, out, n, stride_g=gate.stride(0),
                                                       stride_u=up.stride(0), K=k, KB=_columns(k), BLOCK_N=BLOCK_N, OVERLAP=overlap,
-                                                      num_warps=4, num_stages=1, **_norm_arguments(norm, x),
-                                                      **programmatic(overlap))
+                                                      num_warps=4, num_stages=1, **programmatic(overlap))
