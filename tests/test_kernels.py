@@ -32,9 +32,10 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
            num_splits: int | None = None, window_splits: int | None = None, values=None, key_offset: float = 0.0,
-           row_groups: int | None = None, **run_options) -> None:
+           row_groups: int | None = None, extend: str = "auto", **run_options) -> None:
     """`values`: a function mapping each random k and v to the values the step writes (default: as drawn);
-    key_offset: added to every key (with `mean_offset`, keys near a large μ_K)."""
+    key_offset: added to every key (with `mean_offset`, keys near a large μ_K); extend: `attend_step`'s
+    path for steps of several tokens."""
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
     torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
     g = torch.Generator().manual_seed(7)
@@ -44,7 +45,7 @@ def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=
             k, v = values(k), values(v)
         k = (k.float() + key_offset).to(dtype)
         out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
-                                               window_splits=window_splits, row_groups=row_groups)
+                                               window_splits=window_splits, row_groups=row_groups, extend=extend)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
         # Rotated keys: float32 rotation then one rounding to BF16; the summation order may
         # flip the last bit of a rare element.
@@ -125,6 +126,70 @@ def test_step_longer_than_the_window_after_a_partial_page(head_dim, num_splits):
     (Until 2026-11-25 the kernel read whole pages below the old length only, and lost them.)"""
     layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=64, **SMALL)
     _drive(layout, 4, [[70, 5], [47, 60], [1, 1]], num_splits=num_splits)
+
+
+@pytest.mark.parametrize("head_dim,group,gqa,key_bits,value_bits,inner,shift_block,window", [
+    (64, 64, 1, 2, 2, None, 0, 0), (128, 64, 4, 2, 2, 0.37, 0, 0), (128, 128, 4, 4, 2, None, 32, 0),
+    (256, 128, 2, 2, 4, None, 0, 40), (64, 32, 3, 4, 4, None, 16, 0)])
+def test_dequantized_extend_matches_reference(head_dim, group, gqa, key_bits, value_bits, inner, shift_block, window):
+    """Steps of several tokens by dequantizing the history once, then SDPA (`kernels.extend`), against the
+    torch reference: mixed lengths, a sequence without new tokens, a chunk longer than the recent window
+    after a partial page, INT4 streams, Lloyd–Max levels, key shifts, a sliding window. The dequantized
+    history equals the reference's, rounded to float16."""
+    from oscarkv.kernels.extend import stored_kv
+
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, key_bits=key_bits, value_bits=value_bits,
+                         key_inner=inner if key_bits == 2 else None, value_inner=inner if value_bits == 2 else None,
+                         **SMALL)
+    steps = [[15, 70, 0], [47, 60, 9], [130, 0, 64]]
+    # BF16 inputs, as a model's: the outputs get one rounding besides the bar (`_drive`)
+    _drive(layout, 2 * gqa, steps, dtype=torch.bfloat16, window=window, extend="dequantize", shift_block=shift_block)
+    run = PagedRun(layout, 2, 1024, 2 * gqa, "triton", device=DEVICE, shift_block=shift_block)
+    g = torch.Generator().manual_seed(5)
+    for new_tokens in ([90, 150],):
+        run.step(new_tokens, *random_step(layout, 2 * gqa, new_tokens, g, device=DEVICE))
+    for slot in run.slots:
+        stored = run.cache.lengths[slot]
+        end = layout.history_end(stored)
+        keys, values = stored_kv(run.layer, run.cache.block_table, slot, stored, end, 0, "triton")
+        keys_ref, values_ref = stored_kv_reference(run.layer, run.cache.block_table, slot, stored, end)
+        # float32 values rounded once to float16 (a fused multiply-add on the GPU may move the last bit)
+        assert keys.dtype == values.dtype == torch.float16
+        torch.testing.assert_close(keys.float(), keys_ref.half().float(), atol=2.0**-24, rtol=2.0**-10)
+        torch.testing.assert_close(values.float(), values_ref.half().float(), atol=2.0**-24, rtol=2.0**-10)
+
+
+def test_attention_refuses_query_blocks_it_does_not_take():
+    """block_m 64 failed on the H100 with an illegal memory access: refused before any launch."""
+    from oscarkv.kernels.triton_attention import launch_attention
+
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
+    run = PagedRun(layout, 1, 1024, 2, "triton", device=DEVICE)
+    q, k, v = random_step(layout, 2, [3], torch.Generator().manual_seed(0), device=DEVICE)
+    with pytest.raises(ValueError, match="block_m=64"):
+        launch_attention(run.layer, run.cache.metadata(run.slots, [3]), q, k, v, torch.empty_like(q), 0.1, 0, 1,
+                         None, block_m=64)
+
+
+def test_extend_path_choice():
+    """"auto" dequantizes on CUDA from EXTEND_MIN_TOKENS new tokens per sequence, when the host knows the
+    lengths; a bad name is refused."""
+    from oscarkv.kernels import extend, ops
+
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
+    run = PagedRun(layout, 1, 1024, 2, "triton", device=DEVICE)
+    batch = run.cache.metadata(run.slots, [extend.EXTEND_MIN_TOKENS])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert extend.takes_dequantized_extend(run.layer, batch, cuda)
+    assert not extend.takes_dequantized_extend(run.layer, batch, cpu)
+    short = run.cache.metadata(run.slots, [extend.EXTEND_MIN_TOKENS - 1])
+    assert not extend.takes_dequantized_extend(run.layer, short, cuda)
+    from dataclasses import replace
+
+    assert not extend.takes_dequantized_extend(run.layer, replace(batch, host_rows=None), cuda)
+    q, k, v = random_step(layout, 2, [3], torch.Generator().manual_seed(0), device=DEVICE)
+    with pytest.raises(OscarError, match="extend="):
+        ops.attend_step(run.layer, run.cache.metadata(run.slots, [3]), q, k.bfloat16(), v, 0.1, extend="fast")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -510,7 +575,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "27 kernel configurations compiled for sm_90" in done.stdout
+    assert "29 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads,per_head", [(64, 9, 3, False), (64, 9, 3, True),

@@ -198,7 +198,9 @@ class StepBatch:
     slots: int32 [B] cache slot of each sequence; cu_new: int32 [B+1] offsets of each
     sequence's new tokens in the flattened [T, H, D] inputs; lengths: int32 [B] tokens
     already stored before this step; max_new: host int, the largest count of new tokens;
-    fresh: host bool, every sequence of the step starts empty (no history to read).
+    fresh: host bool, every sequence of the step starts empty (no history to read);
+    host_rows: (slot, stored, new) per sequence as the host knew them when the step was made (None
+    where the device advances the lengths itself: a frozen static decode).
     """
 
     slots: torch.Tensor
@@ -207,6 +209,7 @@ class StepBatch:
     max_new: int
     block_table: torch.Tensor  # int32 [max_slots, max_pages_per_slot]
     fresh: bool = False
+    host_rows: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def batch(self) -> int:
@@ -286,7 +289,8 @@ class PagedKVCache:
         lengths = [self.lengths[s] for s in slots]
         as_device = lambda xs: torch.tensor(xs, dtype=torch.int32).to(self.device)  # noqa: E731
         return StepBatch(as_device(slots), as_device(cu), as_device(lengths), max(new_tokens, default=0),
-                         self.block_table, fresh=not any(lengths))
+                         self.block_table, fresh=not any(lengths),
+                         host_rows=tuple(zip(slots, lengths, new_tokens)))
 
     def advance(self, slots: list[int], new_tokens: list[int]) -> None:
         """Host-side lengths after a step (or, for a static decode, after all its steps) has written."""

@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache.paged import StepBatch
 from ..errors import OscarError
+from ..kernels.extend import gqa_attention
 from ..kernels.ops import attend_dense
 from .paged import AttendingLayer, PagedOscarCache, causal_attention, paged_layouts
 from .transformers import OscarState
@@ -248,18 +248,8 @@ class DenseSlotLayer(AttendingLayer):
         else:
             keys, values = self.keys_store[o.slots_on_device, :, :end], self.values_store[o.slots_on_device, :, :end]
         query_pos = starts[:, None] + torch.arange(n, device=query.device)[None]  # [B, n]
-        key_pos = torch.arange(end, device=query.device)
-        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, n, end]
-        if sliding_window:
-            visible &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
-        # The G query heads of a KV head become G·n query rows of one head: plain multi-head SDPA,
-        # which reads each KV head once (its GQA mode would copy K and V G times when a mask is given).
-        hkv = keys.shape[1]
-        g = hq // hkv
-        q = query.to(o.dtype).reshape(b, hkv, g * n, d)
-        mask = visible[:, None].expand(b, g, n, end).reshape(b, 1, g * n, end)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-        return out.reshape(b, hq, n, d).transpose(1, 2).to(query.dtype)
+        out = gqa_attention(query.to(o.dtype), keys, values, query_pos, scaling, sliding_window or 0)
+        return out.transpose(1, 2).to(query.dtype)
 
     def get_seq_length(self) -> int:
         return self.length

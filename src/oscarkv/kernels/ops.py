@@ -10,15 +10,19 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from ..cache.paged import PagedLayer, StepBatch
 from ..errors import OscarError
 from . import reference
+from .extend import extend_attention, takes_dequantized_extend
 from .hardware import multiprocessors as _multiprocessors
 
 BACKENDS = ("auto", "triton", "torch")
+ExtendPath = Literal["auto", "fused", "dequantize"]
+EXTEND_PATHS: tuple[str, ...] = get_args(ExtendPath)
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -404,7 +408,8 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                 scale: float, window: int = 0, backend: str = "auto", num_splits: int | None = None,
                 max_context: int | None = None, out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
-                window_splits: int | WindowPlan | None = None, row_groups: int | None = None) -> torch.Tensor:
+                window_splits: int | WindowPlan | None = None, row_groups: int | None = None,
+                extend: ExtendPath = "auto") -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] (rotated by R_K) over the cache and the step itself.
 
     k_rot, v: [T, Hkv, D] from `write_step` (call it first). Returns [T, Hq, D] in q.dtype.
@@ -412,15 +417,23 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     window_splits: how many of the splits share the BF16 windows, as four-warp programs, or a `WindowPlan`
     (None: `window_plan`).
     row_groups: history pages per softmax step in decode (None: `choose_row_groups`).
+    extend: how the Triton backend runs a step of several new tokens per sequence: "fused" (the attention
+    kernel), "dequantize" (`extend.extend_attention`: the history dequantized once, then SDPA), or "auto"
+    (`takes_dequantized_extend`).
     """
     lay = layer.layout
     _check_inputs(layer, batch, ("q", q, None), ("k_rot", k_rot, lay.kv_heads), ("v", v, lay.kv_heads))
     if q.shape[1] % lay.kv_heads:
         raise OscarError(f"{q.shape[1]} query heads are not a multiple of {lay.kv_heads} KV heads.")
+    if extend not in EXTEND_PATHS:
+        raise OscarError(f"extend={extend!r}; use one of {EXTEND_PATHS}.")
     if validate:
         check_block_table(layer, batch)
     if resolve_backend(backend, q.device) == "torch":
         return reference.attention_reference(layer, batch, q, k_rot, v, scale, window).to(q.dtype)
+    if extend == "dequantize" or (extend == "auto" and takes_dequantized_extend(layer, batch, q.device)):
+        result = extend_attention(layer, batch, q, k_rot, v, scale, window)
+        return result if out is None else out.copy_(result)
     from .triton_attention import launch_attention
 
     context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size

@@ -39,6 +39,7 @@ from .triton_pdl import programmatic as _programmatic
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
+BLOCK_M_CHOICES = (8, 16, 32)  # query rows per program that `launch_attention` takes (16: every decode and prefill)
 
 UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·2^-24 (see _as_float16_units)
 
@@ -1027,6 +1028,9 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     (`ops.window_plan`: one warp and 16 keys fit beside the one-warp history programs; a sink longer
     than the block goes round the window splits block by block). combine_d_block (None: head_dim):
     the channels each combine program merges."""
+    if block_m not in BLOCK_M_CHOICES:
+        raise ValueError(f"block_m={block_m}: the attention kernel takes query blocks of {BLOCK_M_CHOICES} rows "
+                         "(64 or more failed on the H100 with an illegal memory access).")
     lay = layer.layout
     hq, d = q.shape[1], lay.head_dim
     group = hq // lay.kv_heads

@@ -1,0 +1,145 @@
+"""Developer tool (GPU): extend steps (a chunk of new tokens over a stored history, as `oscarkv serve`
+prefills prompts in chunks): the INT2 cache's two paths (`attend_step(extend="fused")`, the attention
+kernel; `extend="dequantize"`, `kernels.extend`) against the BF16 slot cache's extend attention
+(`gqa_attention`) over the same contents, one layer of Qwen3 shapes, batch 1.
+
+    PYTHONPATH=src python scripts/probe_extend_attention.py [--cases HISTORY:NEW,...]
+    PYTHONPATH=src python scripts/probe_extend_attention.py --prefill [TOKENS] [--profile]   # whole Qwen3-4B
+
+With --prefill: a random Qwen3-4B prefills a TOKENS-token prompt (16384) in 512-token chunks, BF16 cache,
+then INT2 with each path (and --profile: the GPU kernels of one chunk half-way).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from oscarkv.benchmarks.attention import _fill_random, _layout, _time_us
+from oscarkv.cache.paged import PagedKVCache
+from oscarkv.kernels import reference
+from oscarkv.kernels.extend import gqa_attention
+from oscarkv.kernels.ops import attend_step
+
+HQ, HKV, D = 32, 8, 128
+
+
+def extend_case(history: int, new: int, seed: int = 0):
+    device = torch.device("cuda")
+    layout = _layout(HKV, D, 128)
+    cache = PagedKVCache([layout], layout.pages_needed(history + new), 1, history + new, device)
+    gen = torch.Generator().manual_seed(seed)
+    _fill_random(cache, gen)
+    slot = cache.open_slot()
+    cache.reserve(slot, history + new)
+    cache.lengths[slot] = history
+    step = cache.step([slot], [new])
+    q = torch.randn(new, HQ, D, generator=gen).bfloat16().to(device)
+    k = torch.randn(new, HKV, D, generator=gen).bfloat16().to(device)
+    v = torch.randn(new, HKV, D, generator=gen).bfloat16().to(device)
+    return cache, slot, step, q, k, v
+
+
+def timed(fn) -> float:
+    """µs in CUDA graphs, or launched one after another where a graph cannot capture fn."""
+    try:
+        return _time_us(fn)
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        return _time_us(fn, graph=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="8192:16,8192:32,8192:64,8192:128,8192:512,32768:64,32768:512,32768:2048")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    for case in args.cases.split(","):
+        history, new = (int(x) for x in case.split(":"))
+        cache, slot, step, q, k, v = extend_case(history, new)
+        layer = cache.layers[0]
+        scale = D ** -0.5
+        small = new * history <= 512 * 40000
+        expected = reference.attention_reference(layer, step, q, k, v, scale).float() if small else None
+        end = layer.layout.history_end(history + new)
+        ks, vs = reference.stored_kv_reference(layer, cache.block_table, slot, history, end)
+        keys = torch.cat([ks, k.float().transpose(0, 1)], 1).bfloat16()[None]
+        values = torch.cat([vs, v.float().transpose(0, 1)], 1).bfloat16()[None]
+        q4 = q.transpose(0, 1)[None]
+        pos = history + torch.arange(new, device="cuda")[None]
+        rows = []
+        outputs = {}
+        for name, fn in (
+                ("BF16 cache: gqa_attention (the slot cache's extend)",
+                 lambda: gqa_attention(q4, keys, values, pos, scale)[0].transpose(0, 1)),
+                ("INT2 fused kernel", lambda: attend_step(layer, step, q, k, v, scale, validate=False, extend="fused")),
+                ("INT2 dequantize + gqa_attention",
+                 lambda: attend_step(layer, step, q, k, v, scale, validate=False, extend="dequantize"))):
+            outputs[name] = fn().float()
+            rows.append((name, timed(fn)))
+        ref = expected if expected is not None else outputs["INT2 fused kernel"]
+        for name, us in rows:
+            err = (outputs[name] - ref).abs().max().item()
+            print(f"history {history:6d} + {new:5d} new  {name:52s} {us:9.1f} us  err vs "
+                  f"{'reference' if expected is not None else 'fused'} {err:.1e}", flush=True)
+        del cache, outputs, expected
+        torch.cuda.empty_cache()
+
+
+def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = False) -> None:
+    """Whole-model chunked prefill (as `oscarkv serve --prefill-chunk`): a `tokens`-token prompt in `chunk`-token
+    forwards into one slot, BF16 cache, then INT2 with each extend path; best of two after a warm-up."""
+    import time
+
+    from oscarkv.benchmarks.decode import _patch, release_memory
+    from oscarkv.integrations.static_decode import forward_slots, slot_cache_for
+    from oscarkv.kernels import extend
+    from oscarkv.models import load_model
+
+    model, _ = load_model(model_name, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    for name, min_tokens in (("bf16", None), ("int2", 1 << 30), ("int2", chunk)):
+        release_memory()
+        _patch(model, name)
+        extend.EXTEND_MIN_TOKENS = min_tokens or chunk
+        cache = slot_cache_for(model, 1, tokens + 1)
+        best = float("inf")
+        for repeat in range(3):
+            slot = cache.open(tokens + 1)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                for lo in range(0, tokens, chunk):
+                    forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
+            torch.cuda.synchronize()
+            if repeat:
+                best = min(best, time.perf_counter() - started)
+            cache.close(slot)
+        path = "" if name == "bf16" else (" fused kernel" if min_tokens > chunk else " dequantize")
+        print(f"{model_name} chunked prefill {tokens} tokens in {chunk}-token chunks, {name}{path}: "
+              f"{best * 1e3:.0f} ms", flush=True)
+        if profile:  # the GPU kernels of the chunks after the first half of the prompt
+            slot = cache.open(tokens + 1)
+            with torch.inference_mode():
+                for lo in range(0, tokens // 2, chunk):
+                    forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                        torch.profiler.ProfilerActivity.CPU]) as prof:
+                    forward_slots(model, cache, [slot], ids[:, tokens // 2:tokens // 2 + chunk])
+                    torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60),
+                  flush=True)
+            cache.close(slot)
+        del cache
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--prefill" in sys.argv:
+        tokens = int(sys.argv[sys.argv.index("--prefill") + 1]) if len(sys.argv) > sys.argv.index("--prefill") + 1 \
+            and sys.argv[sys.argv.index("--prefill") + 1].isdigit() else 16384
+        chunked_prefill("random:qwen3-4b", tokens, 512, profile="--profile" in sys.argv)
+    else:
+        main()

@@ -1,0 +1,135 @@
+"""Extend steps on the GPU: the history dequantized once, then one SDPA over the whole sequence.
+
+An extend step appends a chunk of n > 1 tokens to a sequence that already holds some (a chunked
+prefill in `oscarkv serve`, a prompt that continues a cached conversation). The fused kernel
+(`triton_attention`) handles it with one program per block of 16 query rows, and each program
+decodes every history page again: at 8K stored tokens and a 512-token chunk that was 4.7× slower
+than BF16 SDPA over the same contents (H100, docs/kernels.md). Here the step instead
+1. builds the sequence's keys and values in the window dtype: sink, the history pages dequantized
+   by `triton_dequantize` (once per step), the ring, and the step's own tokens;
+2. runs `gqa_attention`, the masked SDPA that the BF16 slot cache also uses for its extend steps.
+
+What it computes is `reference.attention_reference`, with the dequantized values, the windows and
+the queries rounded once to float16 (`COMPUTE_DTYPE`; the fused kernel's dots take float16 queries
+and exact codes). `ops.attend_step` takes this path on CUDA for steps
+of at least EXTEND_MIN_TOKENS new tokens per sequence (`extend="auto"`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.paged import PagedLayer, StepBatch
+
+# New tokens per sequence from which "auto" dequantizes. H100, Qwen3 shapes, one layer (docs/kernels.md): the
+# fused kernel's time grows with the new tokens (8K stored: 62 µs at 16, 311 at 128, 1167 at 512), this
+# path's hardly (251, 293, 377 µs); they cross near 128 at 8K and below it at 32K.
+EXTEND_MIN_TOKENS = 128
+EXTEND_MAX_BYTES = 2 << 30  # the dense keys and values of one sequence; longer sequences keep the fused kernel
+QUERY_BLOCK = 1024  # query tokens per SDPA call, which bounds its [G·tokens, T] mask
+# The SDPA's dtype: float16 keeps 3 more bits of the dequantized values and the queries than bfloat16 (as
+# the fused kernel's float16 dots do); keys, values and queries of a KV cache sit far inside its range.
+COMPUTE_DTYPE = torch.float16
+
+
+def gqa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_pos: torch.Tensor,
+                  scaling: float, window: int = 0) -> torch.Tensor:
+    """query [B, Hq, n, D] at positions query_pos [B, n]; keys, values [B, Hkv, T, D] at positions 0..T-1
+    -> [B, Hq, n, D]. A query sees the keys at or before its position (and, with `window` > 0, fewer than
+    `window` before it). The G query heads of a KV head become G·n query rows of one head: plain
+    multi-head SDPA, which reads each KV head once (its GQA mode would copy K and V G times when a mask is
+    given). Queries go QUERY_BLOCK tokens at a time."""
+    b, hq, n, d = query.shape
+    hkv, end = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    key_pos = torch.arange(end, device=query.device)
+    outputs = []
+    for lo in range(0, n, QUERY_BLOCK):
+        hi = min(n, lo + QUERY_BLOCK)
+        pos = query_pos[:, lo:hi]
+        visible = key_pos[None, None, :] <= pos[:, :, None]  # [B, m, T]
+        if window > 0:
+            visible &= pos[:, :, None] - key_pos[None, None, :] < window
+        m = hi - lo
+        q = query[:, :, lo:hi].reshape(b, hkv, g * m, d)
+        mask = visible[:, None].expand(b, g, m, end).reshape(b, 1, g * m, end)
+        outputs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+                       .reshape(b, hq, m, d))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def stored_kv(layer: PagedLayer, block_table: torch.Tensor, slot: int, stored: int, history_end: int, extra: int,
+              backend: str, dtype: torch.dtype = COMPUTE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [Hkv, stored + extra, D] in `dtype` of positions 0..stored-1, read from their regions
+    as `reference.stored_kv_reference` reads them (history: pages before min(stored, history_end); ring:
+    history_end..stored-1); the last `extra` positions are left for the caller."""
+    lay = layer.layout
+    s = lay.sink_tokens
+    device = layer.ring_k.device
+    keys = torch.empty(lay.kv_heads, stored + extra, lay.head_dim, dtype=dtype, device=device)
+    values = torch.empty_like(keys)
+    sink = min(stored, s)
+    keys[:, :sink], values[:, :sink] = layer.sink_k[slot, :, :sink], layer.sink_v[slot, :, :sink]
+    limit = min(stored, history_end)
+    if limit > s:
+        if backend == "triton":
+            from .triton_dequantize import launch_dequantize_pages
+
+            pages = block_table[slot, :-(-(limit - s) // lay.page_size)]
+            for out, codes, scale, zero, inner, shifts in (
+                    (keys, layer.k_codes, layer.k_scale, layer.k_zero, lay.key_inner, layer.key_shifts),
+                    (values, layer.v_codes, layer.v_scale, layer.v_zero, lay.value_inner, None)):
+                launch_dequantize_pages(codes, scale, zero, pages, out, limit, lay, inner, shifts, layer.shift_block)
+        else:
+            from .reference import stored_kv_reference
+
+            k, v = stored_kv_reference(layer, block_table, slot, limit, limit)
+            keys[:, s:limit], values[:, s:limit] = k[:, s:], v[:, s:]
+    if stored > history_end:
+        rows = (torch.arange(history_end, stored, device=device) - s) % lay.ring_capacity
+        keys[:, history_end:stored] = layer.ring_k[slot, :, rows]
+        values[:, history_end:stored] = layer.ring_v[slot, :, rows]
+    return keys, values
+
+
+def dense_bytes(layer: PagedLayer, tokens: int) -> int:
+    """Bytes of one sequence's dense keys and values (what `extend_attention` allocates)."""
+    lay = layer.layout
+    return 2 * lay.kv_heads * tokens * lay.head_dim * COMPUTE_DTYPE.itemsize
+
+
+def takes_dequantized_extend(layer: PagedLayer, batch: StepBatch, device: torch.device) -> bool:
+    """Whether `attend_step(extend="auto")` dequantizes: on CUDA, for steps whose sequences the host knows
+    (`StepBatch.host_rows`) with at least EXTEND_MIN_TOKENS new tokens, each sequence's dense keys and
+    values within EXTEND_MAX_BYTES."""
+    rows = batch.host_rows
+    return (device.type == "cuda" and rows is not None and batch.max_new >= EXTEND_MIN_TOKENS
+            and all(dense_bytes(layer, old + n) <= EXTEND_MAX_BYTES for _, old, n in rows))
+
+
+def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+                     scale: float, window: int = 0, backend: str = "triton") -> torch.Tensor:
+    """`ops.attend_step` of an extend step by dequantizing (see the module doc): q [T, Hq, D] rotated by R_K,
+    k_rot, v [T, Hkv, D] -> [T, Hq, D] in q.dtype, each sequence in turn."""
+    lay = layer.layout
+    rows = batch.host_rows
+    if rows is None:  # lengths kept on the device only: read them (a synchronisation)
+        cu = batch.cu_new.tolist()
+        rows = tuple((slot, old, cu[i + 1] - cu[i])
+                     for i, (slot, old) in enumerate(zip(batch.slots.tolist(), batch.lengths.tolist())))
+    out = torch.empty_like(q)
+    first = 0
+    for slot, old, n in rows:
+        if n == 0:
+            continue
+        fresh = slice(first, first + n)
+        first += n
+        keys, values = stored_kv(layer, batch.block_table, slot, old, lay.history_end(old + n), n, backend)
+        keys[:, old:] = k_rot[fresh].transpose(0, 1)
+        values[:, old:] = v[fresh].transpose(0, 1)
+        query_pos = old + torch.arange(n, device=q.device)[None]
+        o = gqa_attention(q[fresh].transpose(0, 1)[None].to(keys.dtype), keys[None], values[None], query_pos, scale,
+                          window)
+        out[fresh] = o[0].transpose(0, 1).to(q.dtype)
+    return out
