@@ -52,7 +52,13 @@ def timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="8192:16,8192:32,8192:64,8192:128,8192:512,32768:64,32768:512,32768:2048")
+    parser.add_argument("--prefill", type=int, nargs="?", const=16384, default=0,
+                        help="instead: a whole Qwen3-4B prefilling a prompt of this many tokens in 512-token chunks")
+    parser.add_argument("--profile", action="store_true", help="with --prefill: the GPU kernels of one chunk")
     args = parser.parse_args()
+    if args.prefill:
+        chunked_prefill("random:qwen3-4b", args.prefill, 512, args.profile)
+        return
     print(torch.cuda.get_device_name(), flush=True)
     for case in args.cases.split(","):
         history, new = (int(x) for x in case.split(":"))
@@ -135,11 +141,4 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
 
 
 if __name__ == "__main__":
-    import sys
-
-    if "--prefill" in sys.argv:
-        tokens = int(sys.argv[sys.argv.index("--prefill") + 1]) if len(sys.argv) > sys.argv.index("--prefill") + 1 \
-            and sys.argv[sys.argv.index("--prefill") + 1].isdigit() else 16384
-        chunked_prefill("random:qwen3-4b", tokens, 512, profile="--profile" in sys.argv)
-    else:
-        main()
+    main()

@@ -151,7 +151,7 @@ def test_dequantized_extend_matches_reference(head_dim, group, gqa, key_bits, va
     for slot in run.slots:
         stored = run.cache.lengths[slot]
         end = layout.history_end(stored)
-        keys, values = stored_kv(run.layer, run.cache.block_table, slot, stored, end, 0, "triton")
+        keys, values = stored_kv(run.layer, run.cache.block_table, slot, stored, end, 0)
         keys_ref, values_ref = stored_kv_reference(run.layer, run.cache.block_table, slot, stored, end)
         # float32 values rounded once to float16 (a fused multiply-add on the GPU may move the last bit)
         assert keys.dtype == values.dtype == torch.float16

@@ -5,8 +5,8 @@ prefill in `oscarkv serve`, a prompt that continues a cached conversation). The 
 (`triton_attention`) handles it with one program per block of 16 query rows, and each program
 decodes every history page again: at 8K stored tokens and a 512-token chunk that was 4.7× slower
 than BF16 SDPA over the same contents (H100, docs/kernels.md). Here the step instead
-1. builds the sequence's keys and values in the window dtype: sink, the history pages dequantized
-   by `triton_dequantize` (once per step), the ring, and the step's own tokens;
+1. builds the sequence's keys and values in float16 (`COMPUTE_DTYPE`): sink, the history pages
+   dequantized by `triton_dequantize` (once per step), the ring, and the step's own tokens;
 2. runs `gqa_attention`, the masked SDPA that the BF16 slot cache also uses for its extend steps.
 
 What it computes is `reference.attention_reference`, with the dequantized values, the windows and
@@ -60,7 +60,7 @@ def gqa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def stored_kv(layer: PagedLayer, block_table: torch.Tensor, slot: int, stored: int, history_end: int, extra: int,
-              backend: str, dtype: torch.dtype = COMPUTE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+              dtype: torch.dtype = COMPUTE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [Hkv, stored + extra, D] in `dtype` of positions 0..stored-1, read from their regions
     as `reference.stored_kv_reference` reads them (history: pages before min(stored, history_end); ring:
     history_end..stored-1); the last `extra` positions are left for the caller."""
@@ -73,19 +73,13 @@ def stored_kv(layer: PagedLayer, block_table: torch.Tensor, slot: int, stored: i
     keys[:, :sink], values[:, :sink] = layer.sink_k[slot, :, :sink], layer.sink_v[slot, :, :sink]
     limit = min(stored, history_end)
     if limit > s:
-        if backend == "triton":
-            from .triton_dequantize import launch_dequantize_pages
+        from .triton_dequantize import launch_dequantize_pages  # Triton is optional: imported when used
 
-            pages = block_table[slot, :-(-(limit - s) // lay.page_size)]
-            for out, codes, scale, zero, inner, shifts in (
-                    (keys, layer.k_codes, layer.k_scale, layer.k_zero, lay.key_inner, layer.key_shifts),
-                    (values, layer.v_codes, layer.v_scale, layer.v_zero, lay.value_inner, None)):
-                launch_dequantize_pages(codes, scale, zero, pages, out, limit, lay, inner, shifts, layer.shift_block)
-        else:
-            from .reference import stored_kv_reference
-
-            k, v = stored_kv_reference(layer, block_table, slot, limit, limit)
-            keys[:, s:limit], values[:, s:limit] = k[:, s:], v[:, s:]
+        pages = block_table[slot, :-(-(limit - s) // lay.page_size)]
+        for out, codes, scale, zero, inner, shifts in (
+                (keys, layer.k_codes, layer.k_scale, layer.k_zero, lay.key_inner, layer.key_shifts),
+                (values, layer.v_codes, layer.v_scale, layer.v_zero, lay.value_inner, None)):
+            launch_dequantize_pages(codes, scale, zero, pages, out, limit, lay, inner, shifts, layer.shift_block)
     if stored > history_end:
         rows = (torch.arange(history_end, stored, device=device) - s) % lay.ring_capacity
         keys[:, history_end:stored] = layer.ring_k[slot, :, rows]
@@ -109,7 +103,7 @@ def takes_dequantized_extend(layer: PagedLayer, batch: StepBatch, device: torch.
 
 
 def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
-                     scale: float, window: int = 0, backend: str = "triton") -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """`ops.attend_step` of an extend step by dequantizing (see the module doc): q [T, Hq, D] rotated by R_K,
     k_rot, v [T, Hkv, D] -> [T, Hq, D] in q.dtype, each sequence in turn."""
     lay = layer.layout
@@ -125,9 +119,9 @@ def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot
             continue
         fresh = slice(first, first + n)
         first += n
-        keys, values = stored_kv(layer, batch.block_table, slot, old, lay.history_end(old + n), n, backend)
+        keys, values = stored_kv(layer, batch.block_table, slot, old, lay.history_end(old + n), n)
         keys[:, old:] = k_rot[fresh].transpose(0, 1)
-        values[:, old:] = v[fresh].transpose(0, 1)
+        values[:, old:] = v[fresh].to(layer.ring_v.dtype).transpose(0, 1)  # the step's values as the ring stores them
         query_pos = old + torch.arange(n, device=q.device)[None]
         o = gqa_attention(q[fresh].transpose(0, 1)[None].to(keys.dtype), keys[None], values[None], query_pos, scale,
                           window)
