@@ -171,6 +171,30 @@ def test_attention_refuses_query_blocks_it_does_not_take():
                          None, block_m=64)
 
 
+def test_gqa_attention_masks_positions_and_goes_in_query_blocks(monkeypatch):
+    """The masked SDPA of extend steps (both caches): each query sees the keys at or before its position, and
+    fewer than `window` back; query blocks that bound the mask give the same result as one block."""
+    from oscarkv.kernels import extend
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 37, 16, generator=g)
+    k, v = torch.randn(2, 2, 50, 16, generator=g), torch.randn(2, 2, 50, 16, generator=g)
+    pos = torch.stack([13 + torch.arange(37), torch.arange(37)])
+    for window in (0, 9):
+        whole = extend.gqa_attention(q, k, v, pos, 0.25, window)
+        key_pos = torch.arange(50)
+        visible = key_pos[None, None, :] <= pos[:, :, None]
+        if window:
+            visible &= pos[:, :, None] - key_pos[None, None, :] < window
+        scores = torch.einsum("bhnd,bhtd->bhnt", q, k.repeat_interleave(4, 1)) * 0.25
+        expected = torch.einsum("bhnt,bhtd->bhnd", scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1),
+                                v.repeat_interleave(4, 1))
+        torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+        with monkeypatch.context() as patch:
+            patch.setattr(extend, "MASK_ELEMENTS", 4 * 50 * 5)  # 5 query tokens per block
+            torch.testing.assert_close(extend.gqa_attention(q, k, v, pos, 0.25, window), whole, atol=1e-6, rtol=0)
+
+
 def test_extend_path_choice():
     """"auto" dequantizes on CUDA from EXTEND_MIN_TOKENS new tokens per sequence, when the host knows the
     lengths; a bad name is refused."""

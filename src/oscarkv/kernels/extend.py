@@ -27,7 +27,7 @@ from ..cache.paged import PagedLayer, StepBatch
 # path's hardly (251, 293, 377 µs); they cross near 128 at 8K and below it at 32K.
 EXTEND_MIN_TOKENS = 128
 EXTEND_MAX_BYTES = 2 << 30  # the dense keys and values of one sequence; longer sequences keep the fused kernel
-QUERY_BLOCK = 1024  # query tokens per SDPA call, which bounds its [G·tokens, T] mask
+MASK_ELEMENTS = 1 << 28  # per SDPA call: query tokens go in blocks whose [G·tokens, T] mask stays within this
 # The SDPA's dtype: float16 keeps 3 more bits of the dequantized values and the queries than bfloat16 (as
 # the fused kernel's float16 dots do); keys, values and queries of a KV cache sit far inside its range.
 COMPUTE_DTYPE = torch.float16
@@ -39,14 +39,15 @@ def gqa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     -> [B, Hq, n, D]. A query sees the keys at or before its position (and, with `window` > 0, fewer than
     `window` before it). The G query heads of a KV head become G·n query rows of one head: plain
     multi-head SDPA, which reads each KV head once (its GQA mode would copy K and V G times when a mask is
-    given). Queries go QUERY_BLOCK tokens at a time."""
+    given). Queries go in blocks whose mask has at most MASK_ELEMENTS entries per sequence."""
     b, hq, n, d = query.shape
     hkv, end = keys.shape[1], keys.shape[2]
     g = hq // hkv
     key_pos = torch.arange(end, device=query.device)
+    block = max(1, MASK_ELEMENTS // (g * max(end, 1)))
     outputs = []
-    for lo in range(0, n, QUERY_BLOCK):
-        hi = min(n, lo + QUERY_BLOCK)
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
         pos = query_pos[:, lo:hi]
         visible = key_pos[None, None, :] <= pos[:, :, None]  # [B, m, T]
         if window > 0:
