@@ -195,9 +195,9 @@ def test_gqa_attention_masks_positions_and_goes_in_query_blocks(monkeypatch):
             torch.testing.assert_close(extend.gqa_attention(q, k, v, pos, 0.25, window), whole, atol=1e-6, rtol=0)
 
 
-def test_extend_path_choice():
+def test_extend_path_choice(monkeypatch):
     """"auto" dequantizes on CUDA from EXTEND_MIN_TOKENS new tokens per sequence, when the host knows the
-    lengths; a bad name is refused."""
+    lengths; decode steps keep the kernel; a bad name is refused."""
     from oscarkv.kernels import extend, ops
 
     layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **SMALL)
@@ -212,6 +212,11 @@ def test_extend_path_choice():
 
     assert not extend.takes_dequantized_extend(run.layer, replace(batch, host_rows=None), cuda)
     q, k, v = random_step(layout, 2, [3], torch.Generator().manual_seed(0), device=DEVICE)
+    decode = run.cache.metadata(run.slots, [1])
+    calls = []
+    monkeypatch.setattr(ops, "extend_attention", lambda *a, **kw: calls.append(a))
+    ops.attend_step(run.layer, decode, q[:1], k[:1].bfloat16(), v[:1], 0.1, extend="dequantize")
+    assert not calls  # a decode step runs the kernel whatever `extend` says
     with pytest.raises(OscarError, match="extend="):
         ops.attend_step(run.layer, run.cache.metadata(run.slots, [3]), q, k.bfloat16(), v, 0.1, extend="fast")
 
@@ -324,7 +329,8 @@ def test_sequence_splits_and_sliding_window(num_splits, head_dim):
 # Decode history splits read several pages per softmax step, one per copy of the query heads (row
 # groups). Splits of 2-6 pages, so that a split's last step can have fewer pages than groups; GQA 8
 # fills the 16 rows with two copies, GQA 6 leaves 4 padding rows; with key shifts and Lloyd–Max
-# levels, and with a sliding window.
+# levels, and with a sliding window. The prompts go through the dequantizing extend path (its own tests are
+# above; the fused kernel's prompts, across_shapes and the others): the decode steps are what this tests.
 @pytest.mark.parametrize("head_dim,gqa,row_groups,num_splits,extra", [
     (128, 4, 2, 3, {}), (128, 4, 4, 2, {}), (256, 2, 3, 3, {}), (128, 8, 2, 3, {}), (128, 6, 2, 3, {}),
     (128, 4, 2, 3, dict(shift_block=40, key_inner=0.37, value_inner=0.39)), (128, 4, 2, 3, dict(window=70))])
@@ -333,7 +339,7 @@ def test_decode_row_groups_match_reference(head_dim, gqa, row_groups, num_splits
     lloyd = {name: extra.pop(name) for name in ("key_inner", "value_inner") if name in extra}
     layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=128, **SMALL, **lloyd)
     _drive(layout, 2 * gqa, [[180, 100, 47], [1, 1, 1], [1, 1, 0]], num_splits=num_splits, window_splits=1,
-           row_groups=row_groups, **extra)
+           row_groups=row_groups, extend="dequantize", **extra)
 
 
 def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):

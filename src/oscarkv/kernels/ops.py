@@ -419,7 +419,7 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     row_groups: history pages per softmax step in decode (None: `choose_row_groups`).
     extend: how the Triton backend runs a step of several new tokens per sequence: "fused" (the attention
     kernel), "dequantize" (`extend.extend_attention`: the history dequantized once, then SDPA), or "auto"
-    (`takes_dequantized_extend`).
+    (`takes_dequantized_extend`). Decode steps (one new token per sequence at most) always run the kernel.
     """
     lay = layer.layout
     _check_inputs(layer, batch, ("q", q, None), ("k_rot", k_rot, lay.kv_heads), ("v", v, lay.kv_heads))
@@ -431,7 +431,8 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
         check_block_table(layer, batch)
     if resolve_backend(backend, q.device) == "torch":
         return reference.attention_reference(layer, batch, q, k_rot, v, scale, window).to(q.dtype)
-    if extend == "dequantize" or (extend == "auto" and takes_dequantized_extend(layer, batch, q.device)):
+    if batch.max_new > 1 and (extend == "dequantize" or
+                              (extend == "auto" and takes_dequantized_extend(layer, batch, q.device))):
         result = extend_attention(layer, batch, q, k_rot, v, scale, window)
         return result if out is None else out.copy_(result)
     from .triton_attention import launch_attention
