@@ -3,8 +3,8 @@
 An extend step (a chunk of new tokens over a stored sequence: a chunked prefill, a prompt that
 continues a conversation) reads every history page once per query block in the fused attention
 kernel, which decodes the codes again for every block. `ops.attend_step` instead dequantizes the
-history once per step into the window dtype and runs one SDPA over sink + history + ring + the
-step's tokens (`ops.extend_attention`). This kernel does the dequantization: one program per
+history once per step into float16 and runs one SDPA over sink + history + ring + the step's tokens
+(`extend.extend_attention`). This kernel does the dequantization: one program per
 (history page, KV head), value = (level(c) - zero)·scale per group, plus the key shift of the page's
 block for keys with key_centering="rope", rounded once to the buffer's dtype. Reference:
 `reference.stored_kv_reference`, which computes the same values in float32.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..quant.format import inner_levels
 
 
 @triton.jit
@@ -62,7 +64,7 @@ def launch_dequantize_pages(codes: torch.Tensor, scale: torch.Tensor, zero: torc
     bits = codes.shape[-1] * 8 // layout.head_dim
     if pages.numel() == 0:
         return
-    level1, level2 = (3.0 * inner, 3.0 - 3.0 * inner) if inner is not None else (1.0, 2.0)
+    level1, level2 = inner_levels(inner)[1:3].tolist()
     shifts = key_shifts if key_shifts is not None else out
     _dequantize_pages_kernel[(pages.numel(), layout.kv_heads)](
         codes, scale, zero, pages, shifts, out, limit, out.shape[1],
