@@ -4,10 +4,12 @@ kernel; `extend="dequantize"`, `kernels.extend`) against the BF16 slot cache's e
 (`gqa_attention`) over the same contents, one layer of Qwen3 shapes, batch 1.
 
     PYTHONPATH=src python scripts/probe_extend_attention.py [--cases HISTORY:NEW,...]
-    PYTHONPATH=src python scripts/probe_extend_attention.py --prefill [TOKENS] [--profile]   # whole Qwen3-4B
+    PYTHONPATH=src python scripts/probe_extend_attention.py --prefill [TOKENS] [--chunk N] [--profile]   # whole Qwen3-4B
 
-With --prefill: a random Qwen3-4B prefills a TOKENS-token prompt (16384) in 512-token chunks, BF16 cache,
-then INT2 with each path (and --profile: the GPU kernels of one chunk half-way).
+The fused kernel runs with 16 and with 32 query rows per program (`attend_step(block_m=...)`; "auto" picks
+`ops.choose_block_m`). With --prefill: a random Qwen3-4B prefills a TOKENS-token prompt (16384) in N-token
+chunks (512), BF16 cache, then INT2 with each `CacheConfig.extend_attention` (and --profile: the GPU kernels
+of one chunk half-way).
 """
 from __future__ import annotations
 
@@ -54,10 +56,11 @@ def main() -> None:
     parser.add_argument("--cases", default="8192:16,8192:32,8192:64,8192:128,8192:512,32768:64,32768:512,32768:2048")
     parser.add_argument("--prefill", type=int, nargs="?", const=16384, default=0,
                         help="instead: a whole Qwen3-4B prefilling a prompt of this many tokens in 512-token chunks")
+    parser.add_argument("--chunk", type=int, default=512, help="with --prefill: tokens per forward")
     parser.add_argument("--profile", action="store_true", help="with --prefill: the GPU kernels of one chunk")
     args = parser.parse_args()
     if args.prefill:
-        chunked_prefill("random:qwen3-4b", args.prefill, 512, args.profile)
+        chunked_prefill("random:qwen3-4b", args.prefill, args.chunk, args.profile)
         return
     print(torch.cuda.get_device_name(), flush=True)
     for case in args.cases.split(","):
@@ -78,12 +81,15 @@ def main() -> None:
         for name, fn in (
                 ("BF16 cache: gqa_attention (the slot cache's extend)",
                  lambda: gqa_attention(q4, keys, values, pos, scale)[0].transpose(0, 1)),
-                ("INT2 fused kernel", lambda: attend_step(layer, step, q, k, v, scale, validate=False, extend="fused")),
+                ("INT2 fused kernel, 16-row blocks",
+                 lambda: attend_step(layer, step, q, k, v, scale, validate=False, extend="fused", block_m=16)),
+                ("INT2 fused kernel, 32-row blocks",
+                 lambda: attend_step(layer, step, q, k, v, scale, validate=False, extend="fused", block_m=32)),
                 ("INT2 dequantize + gqa_attention",
                  lambda: attend_step(layer, step, q, k, v, scale, validate=False, extend="dequantize"))):
             outputs[name] = fn().float()
             rows.append((name, timed(fn)))
-        ref = expected if expected is not None else outputs["INT2 fused kernel"]
+        ref = expected if expected is not None else outputs["INT2 fused kernel, 16-row blocks"]
         for name, us in rows:
             err = (outputs[name] - ref).abs().max().item()
             print(f"history {history:6d} + {new:5d} new  {name:52s} {us:9.1f} us  err vs "
@@ -97,17 +103,17 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
     forwards into one slot, BF16 cache, then INT2 with each extend path; best of two after a warm-up."""
     import time
 
-    from oscarkv.benchmarks.decode import _patch, release_memory
+    import oscarkv
+    from oscarkv.benchmarks.decode import release_memory
+    from oscarkv.config import CacheConfig
     from oscarkv.integrations.static_decode import forward_slots, slot_cache_for
-    from oscarkv.kernels import extend
     from oscarkv.models import load_model
 
     model, _ = load_model(model_name, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
-    for name, min_tokens in (("bf16", None), ("int2", 1 << 30), ("int2", chunk)):
+    for method, path in (("bf16", "auto"), ("hadamard", "fused"), ("hadamard", "dequantize"), ("hadamard", "auto")):
         release_memory()
-        _patch(model, name)
-        extend.EXTEND_MIN_TOKENS = min_tokens or chunk
+        oscarkv.patch(model, method=method, cache=CacheConfig(extend_attention=path))
         cache = slot_cache_for(model, 1, tokens + 1)
         best = float("inf")
         for repeat in range(3):
@@ -121,8 +127,8 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
             if repeat:
                 best = min(best, time.perf_counter() - started)
             cache.close(slot)
-        path = "" if name == "bf16" else (" fused kernel" if min_tokens > chunk else " dequantize")
-        print(f"{model_name} chunked prefill {tokens} tokens in {chunk}-token chunks, {name}{path}: "
+        name = "bf16" if method == "bf16" else f"int2 extend_attention={path}"
+        print(f"{model_name} chunked prefill {tokens} tokens in {chunk}-token chunks, {name}: "
               f"{best * 1e3:.0f} ms", flush=True)
         if profile:  # the GPU kernels of the chunks after the first half of the prompt
             slot = cache.open(tokens + 1)

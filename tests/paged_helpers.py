@@ -44,14 +44,15 @@ class PagedRun:
         self.slots = [self.cache.open_slot() for _ in range(slots)]
 
     def step(self, new_tokens: list[int], q, k, v, window: int = 0, num_splits: int | None = None,
-             window_splits: int | None = None, row_groups: int | None = None, extend: str = "auto"):
+             window_splits: int | None = None, row_groups: int | None = None, extend: str = "auto",
+             block_m: int | None = None):
         batch = self.cache.step(self.slots, new_tokens)
         k_rot = write_step(self.layer, batch, k, v, self.rotation, self.mean, self.clip_k, self.clip_v,
                            backend=self.backend)
         scale = self.layout.head_dim ** -0.5
         out = attend_step(self.layer, batch, q, k_rot, v, scale, window, backend=self.backend, num_splits=num_splits,
                           window_splits=window_splits if self.backend == "triton" else None,
-                          row_groups=row_groups if self.backend == "triton" else None, extend=extend)
+                          row_groups=row_groups if self.backend == "triton" else None, extend=extend, block_m=block_m)
         return out, k_rot
 
 

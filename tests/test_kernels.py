@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from oscarkv.cache.paged import CacheFullError, PagedKVCache, PagedLayout
+from oscarkv.config import CacheConfig
 from oscarkv.errors import OscarError
 from oscarkv.kernels.ops import (attend_step, check_block_table, choose_row_groups, resolve_backend, rotation_pieces,
                                  triton_available, uses_rotation_pieces, write_step)
@@ -32,10 +33,10 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
            num_splits: int | None = None, window_splits: int | None = None, values=None, key_offset: float = 0.0,
-           row_groups: int | None = None, extend: str = "auto", **run_options) -> None:
+           row_groups: int | None = None, extend: str = "auto", block_m: int | None = None, **run_options) -> None:
     """`values`: a function mapping each random k and v to the values the step writes (default: as drawn);
-    key_offset: added to every key (with `mean_offset`, keys near a large μ_K); extend: `attend_step`'s
-    path for steps of several tokens."""
+    key_offset: added to every key (with `mean_offset`, keys near a large μ_K); extend, block_m: `attend_step`'s
+    path for steps of several tokens and the kernel's query rows per program."""
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
     torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
     g = torch.Generator().manual_seed(7)
@@ -45,7 +46,8 @@ def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=
             k, v = values(k), values(v)
         k = (k.float() + key_offset).to(dtype)
         out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
-                                               window_splits=window_splits, row_groups=row_groups, extend=extend)
+                                               window_splits=window_splits, row_groups=row_groups, extend=extend,
+                                               block_m=block_m)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
         # Rotated keys: float32 rotation then one rounding to BF16; the summation order may
         # flip the last bit of a rare element.
@@ -126,6 +128,16 @@ def test_step_longer_than_the_window_after_a_partial_page(head_dim, num_splits):
     (Until 2026-11-25 the kernel read whole pages below the old length only, and lost them.)"""
     layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=64, **SMALL)
     _drive(layout, 4, [[70, 5], [47, 60], [1, 1]], num_splits=num_splits)
+
+
+@pytest.mark.parametrize("head_dim,gqa,block_m", [(64, 4, 16), (64, 4, 32), (128, 2, 16), (128, 8, 32)])
+def test_fused_extend_in_each_query_block_size(head_dim, gqa, block_m):
+    """The fused kernel's extend steps with 16 and with 32 query rows per program (`ops.choose_block_m` takes 32
+    for steps of more than 16 rows per KV head), against the torch reference: chunks over stored pages, one
+    longer than the recent window after a partial page, a sequence without new tokens, a short step that fits
+    one block of 32 rows at GQA 4 (splits chosen as for decode), then decode steps."""
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=64, **SMALL)
+    _drive(layout, 2 * gqa, [[15, 70, 0], [47, 60, 9], [6, 5, 0], [1, 1, 1]], extend="fused", block_m=block_m)
 
 
 @pytest.mark.parametrize("head_dim,group,gqa,key_bits,value_bits,inner,shift_block,window", [
@@ -219,6 +231,11 @@ def test_extend_path_choice(monkeypatch):
     assert not calls  # a decode step runs the kernel whatever `extend` says
     with pytest.raises(OscarError, match="extend="):
         ops.attend_step(run.layer, run.cache.metadata(run.slots, [3]), q, k.bfloat16(), v, 0.1, extend="fast")
+    # the fused kernel's query rows per program: 16 for decode and steps of one block, 32 beyond
+    assert [ops.choose_block_m(n, 4) for n in (1, 4, 5, 8, 64)] == [16, 16, 32, 32, 32]
+    assert ops.choose_block_m(16, 1) == 16 and ops.choose_block_m(17, 1) == 32
+    with pytest.raises(OscarError, match="extend_attention="):
+        CacheConfig(extend_attention="fast")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

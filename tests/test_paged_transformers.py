@@ -125,6 +125,31 @@ def test_lloyd_max_levels_through_the_paged_model():
     assert (uniform - lloyd["torch"]).abs().max() > 1e-2
 
 
+def test_extend_attention_setting_reaches_the_kernels(monkeypatch):
+    """`CacheConfig.extend_attention` picks the path of the paged cache's extend steps (a 70-token prompt
+    into pages, then a 40-token chunk over it): each path is called with it, and both give the torch
+    reference's logits."""
+    import oscarkv.integrations.paged as paged
+
+    seen = []
+    original = paged.attend_step
+    monkeypatch.setattr(paged, "attend_step", lambda *a, **kw: seen.append(kw["extend"]) or original(*a, **kw))
+    model = _patched("llama")
+    ids = _ids(110).to(DEVICE)
+    logits = {}
+    for path, backend in (("fused", "auto"), ("dequantize", "auto"), ("auto", "torch")):
+        model.oscar.cache = CacheConfig(extend_attention=path, **PAGED)
+        state = model.oscar
+        cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 256, backend=backend)
+        seen.clear()
+        with torch.no_grad():
+            model(ids[:, :70], past_key_values=cache)
+            logits[path] = model(ids[:, 70:], past_key_values=cache).logits.float()
+        assert set(seen) == {path}
+    for path in ("fused", "dequantize"):
+        assert (logits[path] - logits["auto"]).abs().max() < 2e-2
+
+
 def test_auto_uses_reference_cache_on_cpu_and_paged_refuses_padding():
     model = _patched("llama", kernel="auto")
     if DEVICE == "cpu":

@@ -7,6 +7,7 @@ bad value fails where it is written, not deep inside a kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -17,6 +18,8 @@ KEY_GROUPINGS = ("token", "channel")
 KERNELS = ("auto", "paged", "reference")
 HISTORY_FORMATS = ("int", "turboquant3")
 KEY_CENTERINGS = ("auto", "rope", "fixed")
+ExtendPath = Literal["auto", "fused", "dequantize"]
+EXTEND_PATHS: tuple[str, ...] = get_args(ExtendPath)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,11 @@ class CacheConfig:
         28K-32K: 0-8% with "fixed", 100% with "rope"). "auto" (default): "rope" where it applies
         (an artifact calibrated at start positions, a model with fixed RoPE frequencies), else
         "fixed"; "rope" raises where it does not apply.
+    extend_attention: how the paged cache's Triton backend attends in an extend step (several new tokens per
+        sequence over stored ones, as a chunked prefill): "dequantize" (the history dequantized once per step,
+        then one masked SDPA; `oscarkv.kernels.extend`), "fused" (the INT2 attention kernel, which decodes the
+        history in every block of query rows), or "auto" (default: "dequantize" from 192 new tokens per
+        sequence, where it is faster on the H100, else "fused"). Decode steps always run the kernel.
     """
 
     sink_tokens: int = 64
@@ -123,6 +131,7 @@ class CacheConfig:
     decode_gemv: bool = True
     history_format: str = "int"
     key_centering: str = "auto"
+    extend_attention: ExtendPath = "auto"
 
     def __post_init__(self) -> None:
         if self.key_grouping not in KEY_GROUPINGS:
@@ -142,6 +151,8 @@ class CacheConfig:
             raise OscarError(f"history_format={self.history_format!r} must be one of {HISTORY_FORMATS}.")
         if self.key_centering not in KEY_CENTERINGS:
             raise OscarError(f"key_centering={self.key_centering!r} must be one of {KEY_CENTERINGS}.")
+        if self.extend_attention not in EXTEND_PATHS:
+            raise OscarError(f"extend_attention={self.extend_attention!r} must be one of {EXTEND_PATHS}.")
         if self.kernel not in KERNELS:
             raise OscarError(f"kernel={self.kernel!r} must be one of {KERNELS}.")
         if self.max_context is not None and self.max_context < 1:

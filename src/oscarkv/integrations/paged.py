@@ -149,7 +149,8 @@ class PagedOscarLayer(AttendingLayer):
         """q: [B·n, Hq, D] times R_K -> [B·n, Hq, D], over the cache and the step's own tokens."""
         return attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
                            scaling, sliding_window or 0, backend=self.owner.backend,
-                           max_context=self.owner.max_context, validate=False)
+                           max_context=self.owner.max_context, validate=False,
+                           extend=self.owner.cache_config.extend_attention)
 
     def get_seq_length(self) -> int:
         return self.length

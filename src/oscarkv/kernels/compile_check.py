@@ -104,6 +104,9 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                     dict(num_warps=warps or (1 if regions == 1 else 4), num_stages=2))
 
         jobs = [attention(*job) for job in ((1, 0, 1), (17, 1, 4), (17, 2, 4), (17, 1, 4, True))]
+        # extend steps in 32-row query blocks (`ops.choose_block_m`): unsplit; split, one block (one warp) or more
+        jobs += [attention(1, 0, 1, BLOCK_M=32), attention(17, 1, 4, BLOCK_M=32),
+                 attention(17, 1, 4, warps=4, BLOCK_M=32)]
         if d == 128:  # one-warp window programs of 16-key blocks (`ops.window_plan`)
             jobs.append(attention(17, 2, 1, warps=1, block_n=16))
         if d >= 128:  # decode history with two pages per softmax step (`ops.choose_row_groups`)

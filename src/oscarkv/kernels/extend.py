@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from ..cache.paged import PagedLayer, StepBatch
 
 # New tokens per sequence from which "auto" dequantizes. H100, Qwen3 shapes, one layer (docs/kernels.md): the
-# fused kernel's time grows with the new tokens (8K stored: 62 µs at 16, 311 at 128, 1167 at 512), this
-# path's hardly (251, 293, 377 µs); they cross near 128 at 8K and below it at 32K.
-EXTEND_MIN_TOKENS = 128
+# fused kernel's time (32-row query blocks) grows with the new tokens (8K stored: 34 µs at 16, 195 at 128, 262 at
+# 160, 310 at 192, 702 at 512), this path's hardly (251, 292, 279, 290, 376 µs); at 8K and at 32K the fused
+# kernel is faster at 160 new tokens and slower at 192.
+EXTEND_MIN_TOKENS = 192
 EXTEND_MAX_BYTES = 2 << 30  # the dense keys and values of one sequence; longer sequences keep the fused kernel
 MASK_ELEMENTS = 1 << 28  # per SDPA call: query tokens go in blocks whose [G·tokens, T] mask stays within this
 # The SDPA's dtype: float16 keeps 3 more bits of the dequantized values and the queries than bfloat16 (as

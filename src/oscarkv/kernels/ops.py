@@ -10,19 +10,16 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Literal, get_args
-
 import torch
 
 from ..cache.paged import PagedLayer, StepBatch
+from ..config import EXTEND_PATHS, ExtendPath
 from ..errors import OscarError
 from . import reference
 from .extend import extend_attention, takes_dequantized_extend
 from .hardware import multiprocessors as _multiprocessors
 
 BACKENDS = ("auto", "triton", "torch")
-ExtendPath = Literal["auto", "fused", "dequantize"]
-EXTEND_PATHS: tuple[str, ...] = get_args(ExtendPath)
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -210,10 +207,24 @@ class WindowPlan:
     block_n: int | None = None
 
 
-def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int) -> tuple[int, int]:
+def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int,
+                     block_m: int | None = None) -> tuple[int, int]:
     lay = layer.layout
-    m_blocks = -(-max_new * (query_heads // lay.kv_heads) // 16)
+    group = query_heads // lay.kv_heads
+    m_blocks = -(-max_new * group // (block_m or choose_block_m(max_new, group)))
     return m_blocks, batch_size * lay.kv_heads * m_blocks
+
+
+EXTEND_BLOCK_M = 32  # query rows per program of the fused kernel's extend steps (decode: 16)
+
+
+def choose_block_m(max_new: int, group: int) -> int:
+    """Query rows per program of the fused attention kernel: 16 where a sequence's step fits one such block
+    (decode), else EXTEND_BLOCK_M. Every program of an extend step decodes every history page it reads, so
+    fewer, larger blocks read the history fewer times: H100, Qwen3 shapes (GQA 4), batch 1, 16 -> 32 rows took
+    8K + 8 new tokens from 38.7 to 32.4 µs, 8K + 64 from 180 to 114 µs, 32K + 128 from 1099 to 628 µs
+    (docs/kernels.md)."""
+    return 16 if max_new * group <= 16 else EXTEND_BLOCK_M
 
 
 def _small_batch_window_splits(programs: int) -> int:
@@ -256,7 +267,7 @@ def _window_splits(programs: int, history_splits: int, sms: int) -> int:
 
 
 def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
-                  device: torch.device) -> int:
+                  device: torch.device, block_m: int | None = None) -> int:
     """Splits of the INT2 kernel's grid (history splits + window splits; see the kernel).
 
     Decode: the history of each (sequence, KV head) is split into as many parts as keep the one-warp
@@ -267,8 +278,9 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
     366 µs, 7 splits 326 µs). When one wave would be less than 6 programs per multiprocessor
     (large batches), the history takes about two waves instead (81x32K: 1 split 1070 µs, 4 splits
     738 µs; scripts/tune_attention.py). Batch 1 below 64K takes fewer splits of at least 8 pages,
-    down to half the wave (see below). Prefill and extend keep `split_count`."""
-    m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
+    down to half the wave (see below). Prefill and extend keep `split_count` over their programs of `block_m`
+    query rows (None: `choose_block_m`)."""
+    m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads, block_m)
     tokens = max_context - layer.layout.sink_tokens
     if m_blocks > 1:
         return split_count(programs, tokens, device)
@@ -287,10 +299,10 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
 
 
 def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
-                max_context: int, device: torch.device) -> WindowPlan:
+                max_context: int, device: torch.device, block_m: int | None = None) -> WindowPlan:
     """The window programs among `num_splits` (the inverse of `choose_splits`' choice for `max_context`; one
     four-warp split where `num_splits` leaves no history split beside them)."""
-    m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads)
+    m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads, block_m)
     if m_blocks > 1 or num_splits < 2:
         return WindowPlan(1)
     sms = _multiprocessor_count(device)
@@ -409,7 +421,7 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                 max_context: int | None = None, out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
                 window_splits: int | WindowPlan | None = None, row_groups: int | None = None,
-                extend: ExtendPath = "auto") -> torch.Tensor:
+                extend: ExtendPath = "auto", block_m: int | None = None) -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] (rotated by R_K) over the cache and the step itself.
 
     k_rot, v: [T, Hkv, D] from `write_step` (call it first). Returns [T, Hq, D] in q.dtype.
@@ -420,6 +432,7 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     extend: how the Triton backend runs a step of several new tokens per sequence: "fused" (the attention
     kernel), "dequantize" (`extend.extend_attention`: the history dequantized once, then SDPA), or "auto"
     (`takes_dequantized_extend`). Decode steps (one new token per sequence at most) always run the kernel.
+    block_m: query rows per program of the kernel (None: `choose_block_m`).
     """
     lay = layer.layout
     _check_inputs(layer, batch, ("q", q, None), ("k_rot", k_rot, lay.kv_heads), ("v", v, lay.kv_heads))
@@ -438,21 +451,22 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     from .triton_attention import launch_attention
 
     context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
+    block_m = block_m or choose_block_m(batch.max_new, q.shape[1] // lay.kv_heads)
     if num_splits is None:
-        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1], context, q.device)
+        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1], context, q.device, block_m)
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1 and workspace is None:
         workspace = (torch.empty(q.shape[0], q.shape[1], num_splits, q.shape[2], dtype=torch.float32, device=q.device),
                      torch.empty(q.shape[0], q.shape[1], num_splits, dtype=torch.float32, device=q.device))
     if window_splits is None:
-        plan = window_plan(layer, batch.batch, batch.max_new, q.shape[1], num_splits, context, q.device)
+        plan = window_plan(layer, batch.batch, batch.max_new, q.shape[1], num_splits, context, q.device, block_m)
     else:
         plan = window_splits if isinstance(window_splits, WindowPlan) else WindowPlan(window_splits)
     if row_groups is None:
         row_groups = choose_row_groups(layer, batch.max_new, q.shape[1], num_splits, plan.splits, context)
     launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=plan.splits,
                      row_groups=row_groups, window_warps=plan.warps, window_block_n=plan.block_n,
-                     combine_d_block=min(COMBINE_CHANNELS, lay.head_dim))
+                     combine_d_block=min(COMBINE_CHANNELS, lay.head_dim), block_m=block_m)
     return out
 
 
