@@ -1,7 +1,8 @@
 """Developer tool (GPU): extend steps (a chunk of new tokens over a stored history, as `oscarkv serve`
 prefills prompts in chunks): the INT2 cache's two paths (`attend_step(extend="fused")`, the attention
-kernel; `extend="dequantize"`, `kernels.extend`) against the BF16 slot cache's extend attention
-(`gqa_attention`) over the same contents, one layer of Qwen3 shapes, batch 1.
+kernel; `extend="dequantize"`, `kernels.extend`) against the BF16 slot cache's extend attention over the same
+contents (`causal_gqa_attention` for one sequence; the masked `gqa_attention` of batched steps and sliding
+windows), one layer of Qwen3 shapes, batch 1.
 
     PYTHONPATH=src python scripts/probe_extend_attention.py [--cases HISTORY:NEW,...]
     PYTHONPATH=src python scripts/probe_extend_attention.py --prefill [TOKENS] [--chunk N] [--profile]   # whole Qwen3-4B
@@ -20,7 +21,7 @@ import torch
 from oscarkv.benchmarks.attention import _fill_random, _layout, _time_us
 from oscarkv.cache.paged import PagedKVCache
 from oscarkv.kernels import reference
-from oscarkv.kernels.extend import gqa_attention
+from oscarkv.kernels.extend import causal_gqa_attention, gqa_attention
 from oscarkv.kernels.ops import attend_step
 
 HQ, HKV, D = 32, 8, 128
@@ -79,7 +80,9 @@ def main() -> None:
         rows = []
         outputs = {}
         for name, fn in (
-                ("BF16 cache: gqa_attention (the slot cache's extend)",
+                ("BF16 cache: causal_gqa_attention (the slot cache's)",
+                 lambda: causal_gqa_attention(q4, keys, values, scale)[0].transpose(0, 1)),
+                ("BF16, masked gqa_attention (batched steps, windows)",
                  lambda: gqa_attention(q4, keys, values, pos, scale)[0].transpose(0, 1)),
                 ("INT2 fused kernel, 16-row blocks",
                  lambda: attend_step(layer, step, q, k, v, scale, validate=False, extend="fused", block_m=16)),
@@ -140,8 +143,8 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
                                                         torch.profiler.ProfilerActivity.CPU]) as prof:
                     forward_slots(model, cache, [slot], ids[:, tokens // 2:tokens // 2 + chunk])
                     torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60),
-                  flush=True)
+            for key in ("cuda_time_total", "self_cpu_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
             cache.close(slot)
         del cache
 

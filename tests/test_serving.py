@@ -100,8 +100,11 @@ def test_batched_engine_equals_one_sequence_generate_across_page_flushes():
     assert usage.slots_used == 0 and usage.pages_used == 0 and usage.pages_promised == 0
 
 
-def test_dense_bf16_engine_equals_generate():
-    engine = _tiny_engine(method="bf16")
+@pytest.mark.parametrize("chunk", [512, 8])
+def test_dense_bf16_engine_equals_generate(chunk):
+    """The BF16 slot cache's greedy tokens equal `generate`'s; with 8-token chunks the prompts' later chunks
+    attend over the stored ones (one sequence: a lower-right causal SDPA)."""
+    engine = _tiny_engine(method="bf16", prefill_chunk=chunk)
     assert isinstance(engine.cache, DenseSlotCache)
     prompts = [_prompt(n, seed=n) for n in (9, 33)]
     captured = {}
@@ -111,7 +114,7 @@ def test_dense_bf16_engine_equals_generate():
         engine.submit(prompt, SamplingParams(max_tokens=10), Collector())
     _drain(engine)
     for i, prompt in enumerate(prompts):
-        assert captured[i] == _reference_tokens(engine, prompt, 10)
+        assert captured[i] == _reference_tokens(engine, prompt, 10, chunk=chunk)
 
 
 def test_engine_on_the_triton_kernels_equals_the_torch_references():

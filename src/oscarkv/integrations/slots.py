@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache.paged import StepBatch
 from ..errors import OscarError
-from ..kernels.extend import gqa_attention
+from ..kernels.extend import causal_gqa_attention, gqa_attention
 from ..kernels.ops import attend_dense
 from .paged import AttendingLayer, PagedOscarCache, causal_attention, paged_layouts
 from .transformers import OscarState
@@ -227,7 +227,8 @@ class DenseSlotLayer(AttendingLayer):
 
         Decode on the GPU or in a static decode (n = 1): the dense decode kernel, which reads each
         row's length on the device (so a CUDA graph can replay it). A prompt's first chunk: causal
-        SDPA over itself. Otherwise (and CPU serving, batched): SDPA with a mask."""
+        SDPA over itself. One sequence without a sliding window: SDPA with a lower-right causal bias
+        (`causal_gqa_attention`). Otherwise (batched steps, sliding windows): SDPA with a mask."""
         o = self.owner
         b, hq, n, d = query.shape
         if n == 1 and (o.frozen or query.device.type == "cuda" or o.backend == "triton"):
@@ -238,6 +239,11 @@ class DenseSlotLayer(AttendingLayer):
             rows = o.slots_on_device
             return causal_attention(query.to(o.dtype), self.keys_store[rows, :, :n], self.values_store[rows, :, :n],
                                     scaling).to(query.dtype)
+        if b == 1 and not sliding_window:  # one sequence (the engine's prefill chunks): no mask tensor
+            slot, end = o.batch_slots[0], o.batch_starts[0] + n
+            out = causal_gqa_attention(query.to(o.dtype), self.keys_store[slot:slot + 1, :, :end],
+                                       self.values_store[slot:slot + 1, :, :end], scaling)
+            return out.transpose(1, 2).to(query.dtype)
         starts = o.starts_on_device
         # Keys up to a multiple of 256 (masked beyond each row's length): the attention backend
         # then sees a new shape only every 256 steps instead of at every step.

@@ -2,12 +2,13 @@
 
 An extend step appends a chunk of n > 1 tokens to a sequence that already holds some (a chunked
 prefill in `oscarkv serve`, a prompt that continues a cached conversation). The fused kernel
-(`triton_attention`) handles it with one program per block of 16 query rows, and each program
+(`triton_attention`) handles it with one program per block of 16 or 32 query rows, and each program
 decodes every history page again: at 8K stored tokens and a 512-token chunk that was 4.7× slower
 than BF16 SDPA over the same contents (H100, docs/kernels.md). Here the step instead
 1. builds the sequence's keys and values in float16 (`COMPUTE_DTYPE`): sink, the history pages
    dequantized by `triton_dequantize` (once per step), the ring, and the step's own tokens;
-2. runs `gqa_attention`, the masked SDPA that the BF16 slot cache also uses for its extend steps.
+2. runs one SDPA with a lower-right causal bias (`causal_gqa_attention`; with a sliding window the masked
+   `gqa_attention`), as the BF16 slot cache also does for its extend steps.
 
 What it computes is `reference.attention_reference`, with the dequantized values, the windows and
 the queries rounded once to float16 (`COMPUTE_DTYPE`; the fused kernel's dots take float16 queries
@@ -19,14 +20,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.paged import PagedLayer, StepBatch
 
 # New tokens per sequence from which "auto" dequantizes. H100, Qwen3 shapes, one layer (docs/kernels.md): the
-# fused kernel's time (32-row query blocks) grows with the new tokens (8K stored: 34 µs at 16, 195 at 128, 262 at
-# 160, 310 at 192, 702 at 512), this path's hardly (251, 292, 279, 290, 376 µs); at 8K and at 32K the fused
-# kernel is faster at 160 new tokens and slower at 192.
-EXTEND_MIN_TOKENS = 192
+# fused kernel's time (32-row query blocks) grows with the new tokens (8K stored: 34 µs at 16, 85 at 48, 114 at
+# 64, 195 at 128), this path's hardly (103, 104, 105, 130 µs); at 8K the fused kernel is faster up to 48 new
+# tokens, at 32K up to 32 (195 against 229 µs; 48: 247 against 228).
+EXTEND_MIN_TOKENS = 64
 EXTEND_MAX_BYTES = 2 << 30  # the dense keys and values of one sequence; longer sequences keep the fused kernel
 MASK_ELEMENTS = 1 << 28  # per SDPA call: query tokens go in blocks whose [G·tokens, T] mask stays within this
 # The SDPA's dtype: float16 keeps 3 more bits of the dequantized values and the queries than bfloat16 (as
@@ -61,6 +63,17 @@ def gqa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
+def causal_gqa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+    """query [B, Hq, n, D] at the last n of the T positions of keys, values [B, Hkv, T, D] -> [B, Hq, n, D],
+    each query seeing the keys at or before its position: `gqa_attention` without a window, for queries that
+    end the sequence. A lower-right causal bias and SDPA's own GQA need no mask tensor and let the backend
+    skip the masked blocks: on the H100 (float16, Qwen3 shapes) 8K + 128 new tokens took 71 µs against 238 µs
+    with the mask, 32K + 2048 3.25 ms against 5.66 ms (scripts/probe_gqa_sdpa.py)."""
+    causal = causal_lower_right(query.shape[2], keys.shape[2])
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal, scale=scaling, enable_gqa=True)
+
+
 def stored_kv(layer: PagedLayer, block_table: torch.Tensor, slot: int, stored: int, history_end: int, extra: int,
               dtype: torch.dtype = COMPUTE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [Hkv, stored + extra, D] in `dtype` of positions 0..stored-1, read from their regions
@@ -82,10 +95,15 @@ def stored_kv(layer: PagedLayer, block_table: torch.Tensor, slot: int, stored: i
                 (keys, layer.k_codes, layer.k_scale, layer.k_zero, lay.key_inner, layer.key_shifts),
                 (values, layer.v_codes, layer.v_scale, layer.v_zero, lay.value_inner, None)):
             launch_dequantize_pages(codes, scale, zero, pages, out, limit, lay, inner, shifts, layer.shift_block)
-    if stored > history_end:
-        rows = (torch.arange(history_end, stored, device=device) - s) % lay.ring_capacity
-        keys[:, history_end:stored] = layer.ring_k[slot, :, rows]
-        values[:, history_end:stored] = layer.ring_v[slot, :, rows]
+    # The ring holds position p at row (p - sink) mod capacity: positions history_end..stored-1 are at most two
+    # runs of rows, copied as slices (no index tensors: fewer launches on the host-bound chunked prefill).
+    first = history_end
+    while first < stored:
+        row = (first - s) % lay.ring_capacity
+        count = min(stored - first, lay.ring_capacity - row)
+        keys[:, first:first + count] = layer.ring_k[slot, :, row:row + count]
+        values[:, first:first + count] = layer.ring_v[slot, :, row:row + count]
+        first += count
     return keys, values
 
 
@@ -114,7 +132,7 @@ def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot
         cu = batch.cu_new.tolist()
         rows = tuple((slot, old, cu[i + 1] - cu[i])
                      for i, (slot, old) in enumerate(zip(batch.slots.tolist(), batch.lengths.tolist())))
-    out = torch.empty_like(q)
+    outputs = []
     first = 0
     for slot, old, n in rows:
         if n == 0:
@@ -123,9 +141,20 @@ def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot
         first += n
         keys, values = stored_kv(layer, batch.block_table, slot, old, lay.history_end(old + n), n)
         keys[:, old:] = k_rot[fresh].transpose(0, 1)
-        values[:, old:] = v[fresh].to(layer.ring_v.dtype).transpose(0, 1)  # the step's values as the ring stores them
-        query_pos = old + torch.arange(n, device=q.device)[None]
-        o = gqa_attention(q[fresh].transpose(0, 1)[None].to(keys.dtype), keys[None], values[None], query_pos, scale,
-                          window)
-        out[fresh] = o[0].transpose(0, 1).to(q.dtype)
+        step_values = v[fresh] if v.dtype == layer.ring_v.dtype else v[fresh].to(layer.ring_v.dtype)
+        values[:, old:] = step_values.transpose(0, 1)  # the step's values as the ring stores them
+        query = q[fresh].transpose(0, 1)[None].to(keys.dtype)
+        if window > 0:
+            o = gqa_attention(query, keys[None], values[None], old + torch.arange(n, device=q.device)[None], scale,
+                              window)
+        else:
+            o = causal_gqa_attention(query, keys[None], values[None], scale)
+        outputs.append(o[0].transpose(0, 1))
+    if len(outputs) == 1 and first == q.shape[0]:  # one sequence (a chunked prefill): no gather
+        return outputs[0].to(q.dtype, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q)
+    first = 0
+    for o in outputs:
+        out[first:first + o.shape[0]] = o
+        first += o.shape[0]
     return out
