@@ -112,7 +112,7 @@ class CacheConfig:
         "fixed"; "rope" raises where it does not apply.
     extend_attention: how the paged cache's Triton backend attends in an extend step (several new tokens per
         sequence over stored ones, as a chunked prefill): "dequantize" (the history dequantized once per step,
-        then one masked SDPA; `oscarkv.kernels.extend`), "fused" (the INT2 attention kernel, which decodes the
+        then one SDPA; `oscarkv.kernels.extend`), "fused" (the INT2 attention kernel, which decodes the
         history in every block of query rows), or "auto" (default: "dequantize" from 64 new tokens per
         sequence, where it is faster on the H100, else "fused"). Decode steps always run the kernel.
     """

@@ -141,8 +141,7 @@ def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot
         first += n
         keys, values = stored_kv(layer, batch.block_table, slot, old, lay.history_end(old + n), n)
         keys[:, old:] = k_rot[fresh].transpose(0, 1)
-        step_values = v[fresh] if v.dtype == layer.ring_v.dtype else v[fresh].to(layer.ring_v.dtype)
-        values[:, old:] = step_values.transpose(0, 1)  # the step's values as the ring stores them
+        values[:, old:] = v[fresh].to(layer.ring_v.dtype).transpose(0, 1)  # the step's values as the ring stores them
         query = q[fresh].transpose(0, 1)[None].to(keys.dtype)
         if window > 0:
             o = gqa_attention(query, keys[None], values[None], old + torch.arange(n, device=q.device)[None], scale,

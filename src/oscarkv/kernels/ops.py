@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+
 import torch
 
 from ..cache.paged import PagedLayer, StepBatch
