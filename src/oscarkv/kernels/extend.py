@@ -148,12 +148,10 @@ def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot
                               window)
         else:
             o = causal_gqa_attention(query, keys[None], values[None], scale)
-        outputs.append(o[0].transpose(0, 1))
-    if len(outputs) == 1 and first == q.shape[0]:  # one sequence (a chunked prefill): no gather
-        return outputs[0].to(q.dtype, memory_format=torch.contiguous_format)
+        outputs.append((fresh, o[0].transpose(0, 1)))
+    if len(outputs) == 1:  # one sequence with new tokens (a chunked prefill): its rows are all of q, no gather
+        return outputs[0][1].to(q.dtype, memory_format=torch.contiguous_format)
     out = torch.empty_like(q)
-    first = 0
-    for o in outputs:
-        out[first:first + o.shape[0]] = o
-        first += o.shape[0]
+    for fresh, o in outputs:
+        out[fresh] = o
     return out
