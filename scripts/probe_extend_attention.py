@@ -58,10 +58,12 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="?", const=16384, default=0,
                         help="instead: a whole Qwen3-4B prefilling a prompt of this many tokens in 512-token chunks")
     parser.add_argument("--chunk", type=int, default=512, help="with --prefill: tokens per forward")
+    parser.add_argument("--paths", default="bf16,fused,dequantize,auto",
+                        help="with --prefill: bf16 and the INT2 cache's extend_attention settings to run")
     parser.add_argument("--profile", action="store_true", help="with --prefill: the GPU kernels of one chunk")
     args = parser.parse_args()
     if args.prefill:
-        chunked_prefill("random:qwen3-4b", args.prefill, args.chunk, args.profile)
+        chunked_prefill("random:qwen3-4b", args.prefill, args.chunk, args.profile, args.paths.split(","))
         return
     print(torch.cuda.get_device_name(), flush=True)
     for case in args.cases.split(","):
@@ -101,7 +103,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = False) -> None:
+def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = False,
+                    paths: tuple[str, ...] = ("bf16", "fused", "dequantize", "auto")) -> None:
     """Whole-model chunked prefill (as `oscarkv serve --prefill-chunk`): a `tokens`-token prompt in `chunk`-token
     forwards into one slot, BF16 cache, then INT2 with each extend path; best of two after a warm-up."""
     import time
@@ -114,7 +117,7 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
 
     model, _ = load_model(model_name, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
-    for method, path in (("bf16", "auto"), ("hadamard", "fused"), ("hadamard", "dequantize"), ("hadamard", "auto")):
+    for method, path in [("bf16", "auto") if p == "bf16" else ("hadamard", p) for p in paths]:
         release_memory()
         oscarkv.patch(model, method=method, cache=CacheConfig(extend_attention=path))
         cache = slot_cache_for(model, 1, tokens + 1)

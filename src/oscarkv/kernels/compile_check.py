@@ -42,9 +42,12 @@ GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf
 DECODE_QK_TYPES = dict(q_ptr=WINDOW, k_ptr=WINDOW, qw_ptr=WINDOW, kw_ptr=WINDOW, cos_ptr=WINDOW, sin_ptr=WINDOW,
                        r_ptr="*fp32", mean_ptr="*fp32", q_out_ptr=WINDOW, k_out_ptr=WINDOW, rows="i32", q_eps="fp32", k_eps="fp32",
                        stride_q="i32", stride_k="i32", stride_cos="i32", stride_sin="i32")
-DEQUANTIZE_TYPES = dict(codes_ptr="*u8", scale_ptr="*fp16", zero_ptr="*fp16", bt_ptr="*i32", shift_ptr="*fp32",
-                        out_ptr="*fp16", limit="i32", tokens="i32", num_blocks="i32", level1="fp32", level2="fp32",
-                        shift_block="i32")
+DENSE_KV_TYPES = dict(
+    kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16", shift_ptr="*fp32",
+    sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, k_new_ptr=WINDOW, v_new_ptr=WINDOW,
+    keys_ptr="*fp16", values_ptr="*fp16", bt_ptr="*i32", slot="i32", stored="i32", limit="i32", history_end="i32",
+    new_start="i32", tokens="i32", num_blocks="i32", k_level1="fp32", k_level2="fp32", v_level1="fp32",
+    v_level2="fp32", shift_block="i32")
 NORM_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", eps="fp32", r_ptr="*bf16", sum_ptr="*bf16")
 
 # (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
@@ -137,12 +140,11 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                          dict(prompt_write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, BF16_DOTS=True, **lloyd),
                          unfused))
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), unfused))
-        # extend steps' history dequantization (`kernels.extend`): keys with shifts, values (Lloyd-Max if INT2)
-        dequantize = dict(HKV=hkv, D=d, NG=d // group, P=page, S=sink)
-        jobs.append((triton_dequantize._dequantize_pages_kernel, DEQUANTIZE_TYPES,
-                     dict(dequantize, BITS=key_bits, LLOYD=False, KEY_SHIFTS=True), dict(num_warps=4)))
-        jobs.append((triton_dequantize._dequantize_pages_kernel, DEQUANTIZE_TYPES,
-                     dict(dequantize, BITS=value_bits, LLOYD=value_bits == 2, KEY_SHIFTS=False), dict(num_warps=4)))
+        # extend steps' dense keys and values (`kernels.extend`): keys with shifts, values at Lloyd-Max levels if INT2
+        jobs.append((triton_dequantize._dense_kv_kernel, DENSE_KV_TYPES,
+                     dict(HKV=hkv, D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink,
+                          C=recent + page, K_LLOYD=False, V_LLOYD=value_bits == 2, KEY_SHIFTS=True, BLOCK=64),
+                     dict(num_warps=4)))
         jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),
                      dict(num_warps=4, num_stages=3)))

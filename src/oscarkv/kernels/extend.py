@@ -5,8 +5,9 @@ prefill in `oscarkv serve`, a prompt that continues a cached conversation). The 
 (`triton_attention`) handles it with one program per block of 16 or 32 query rows, and each program
 decodes every history page again: at 8K stored tokens and a 512-token chunk that was 4.7× slower
 than BF16 SDPA over the same contents (H100, docs/kernels.md). Here the step instead
-1. builds the sequence's keys and values in float16 (`COMPUTE_DTYPE`): sink, the history pages
-   dequantized by `triton_dequantize` (once per step), the ring, and the step's own tokens;
+1. builds the sequence's keys and values in float16 (`COMPUTE_DTYPE`) in one launch
+   (`triton_dequantize.launch_dense_kv`): sink, the history pages dequantized (once per step), the ring,
+   and the step's own tokens;
 2. runs one SDPA with a lower-right causal bias (`causal_gqa_attention`; with a sliding window the masked
    `gqa_attention`), as the BF16 slot cache also does for its extend steps.
 
@@ -74,37 +75,18 @@ def causal_gqa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal, scale=scaling, enable_gqa=True)
 
 
-def stored_kv(layer: PagedLayer, block_table: torch.Tensor, slot: int, stored: int, history_end: int, extra: int,
+def stored_kv(layer: PagedLayer, block_table: torch.Tensor, slot: int, stored: int, history_end: int,
+              new: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
               dtype: torch.dtype = COMPUTE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [Hkv, stored + extra, D] in `dtype` of positions 0..stored-1, read from their regions
-    as `reference.stored_kv_reference` reads them (history: pages before min(stored, history_end); ring:
-    history_end..stored-1); the last `extra` positions are left for the caller."""
-    lay = layer.layout
-    s = lay.sink_tokens
-    device = layer.ring_k.device
-    keys = torch.empty(lay.kv_heads, stored + extra, lay.head_dim, dtype=dtype, device=device)
-    values = torch.empty_like(keys)
-    sink = min(stored, s)
-    keys[:, :sink], values[:, :sink] = layer.sink_k[slot, :, :sink], layer.sink_v[slot, :, :sink]
-    limit = min(stored, history_end)
-    if limit > s:
-        from .triton_dequantize import launch_dequantize_pages  # Triton is optional: imported when used
+    """Keys and values [Hkv, stored + n, D] in `dtype` of positions 0..stored-1, read from their regions as
+    `reference.stored_kv_reference` reads them (history: pages before min(stored, history_end); ring:
+    history_end..stored-1), then the step's n new tokens: `new` = (k_rot, v, first row, n) with k_rot, v
+    [T, Hkv, D] (the values rounded to the ring's dtype, as the ring stores them). One Triton launch
+    (`triton_dequantize.launch_dense_kv`)."""
+    from .triton_dequantize import launch_dense_kv  # Triton is optional: imported when used
 
-        pages = block_table[slot, :-(-(limit - s) // lay.page_size)]
-        for out, codes, scale, zero, inner, shifts in (
-                (keys, layer.k_codes, layer.k_scale, layer.k_zero, lay.key_inner, layer.key_shifts),
-                (values, layer.v_codes, layer.v_scale, layer.v_zero, lay.value_inner, None)):
-            launch_dequantize_pages(codes, scale, zero, pages, out, limit, lay, inner, shifts, layer.shift_block)
-    # The ring holds position p at row (p - sink) mod capacity: positions history_end..stored-1 are at most two
-    # runs of rows, copied as slices (no index tensors: fewer launches on the host-bound chunked prefill).
-    first = history_end
-    while first < stored:
-        row = (first - s) % lay.ring_capacity
-        count = min(stored - first, lay.ring_capacity - row)
-        keys[:, first:first + count] = layer.ring_k[slot, :, row:row + count]
-        values[:, first:first + count] = layer.ring_v[slot, :, row:row + count]
-        first += count
-    return keys, values
+    k_new, v_new, first, n = new if new is not None else (layer.ring_k, layer.ring_v, 0, 0)
+    return launch_dense_kv(layer, block_table[slot], slot, stored, history_end, k_new, v_new, first, n, dtype)
 
 
 def dense_bytes(layer: PagedLayer, tokens: int) -> int:
@@ -139,9 +121,8 @@ def extend_attention(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot
             continue
         fresh = slice(first, first + n)
         first += n
-        keys, values = stored_kv(layer, batch.block_table, slot, old, lay.history_end(old + n), n)
-        keys[:, old:] = k_rot[fresh].transpose(0, 1)
-        values[:, old:] = v[fresh].to(layer.ring_v.dtype).transpose(0, 1)  # the step's values as the ring stores them
+        keys, values = stored_kv(layer, batch.block_table, slot, old, lay.history_end(old + n),
+                                 (k_rot, v, fresh.start, n))
         query = q[fresh].transpose(0, 1)[None].to(keys.dtype)
         if window > 0:
             o = gqa_attention(query, keys[None], values[None], old + torch.arange(n, device=q.device)[None], scale,
