@@ -61,9 +61,15 @@ def main() -> None:
     parser.add_argument("--paths", default="bf16,fused,dequantize,auto",
                         help="with --prefill: bf16 and the INT2 cache's extend_attention settings to run")
     parser.add_argument("--profile", action="store_true", help="with --prefill: the GPU kernels of one chunk")
+    parser.add_argument("--host", action="store_true",
+                        help="with --prefill: also the host's time to enqueue each chunk, and where a chunk synchronises")
+    parser.add_argument("--copies", type=int, default=0, metavar="ROUNDS",
+                        help="with --prefill: also ROUNDS alternating prefills with the small host-to-device copies "
+                             "pinned and non-blocking (transfer.to_device) and plain (pageable, synchronising)")
     args = parser.parse_args()
     if args.prefill:
-        chunked_prefill("random:qwen3-4b", args.prefill, args.chunk, args.profile, args.paths.split(","))
+        chunked_prefill("random:qwen3-4b", args.prefill, args.chunk, args.profile, args.paths.split(","), args.host,
+                        args.copies)
         return
     print(torch.cuda.get_device_name(), flush=True)
     for case in args.cases.split(","):
@@ -104,7 +110,8 @@ def main() -> None:
 
 
 def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = False,
-                    paths: tuple[str, ...] = ("bf16", "fused", "dequantize", "auto")) -> None:
+                    paths: tuple[str, ...] = ("bf16", "fused", "dequantize", "auto"), host: bool = False,
+                    copies: int = 0) -> None:
     """Whole-model chunked prefill (as `oscarkv serve --prefill-chunk`): a `tokens`-token prompt in `chunk`-token
     forwards into one slot, BF16 cache, then INT2 with each extend path; best of two after a warm-up."""
     import time
@@ -136,6 +143,10 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
         name = "bf16" if method == "bf16" else f"int2 extend_attention={path}"
         print(f"{model_name} chunked prefill {tokens} tokens in {chunk}-token chunks, {name}: "
               f"{best * 1e3:.0f} ms", flush=True)
+        if host:
+            host_report(model, cache, ids, chunk)
+        if copies:
+            compare_copies(model, cache, ids, chunk, copies)
         if profile:  # the GPU kernels of the chunks after the first half of the prompt
             slot = cache.open(tokens + 1)
             with torch.inference_mode():
@@ -150,6 +161,94 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
                 print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
             cache.close(slot)
         del cache
+
+
+def host_report(model, cache, ids, chunk: int) -> None:
+    """The host's time to enqueue each chunk's forward (no synchronisation between chunks), against the
+    whole prefill; then the call sites where one chunk's forward synchronises with the device."""
+    import collections
+    import time
+    import warnings
+
+    from oscarkv.integrations.static_decode import forward_slots
+
+    tokens = ids.shape[1]
+    slot = cache.open(tokens + 1)
+    enqueue = []
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for lo in range(0, tokens, chunk):
+            t = time.perf_counter()
+            forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
+            enqueue.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - started
+    cache.close(slot)
+    print(f"  host: {sum(enqueue) * 1e3:.0f} ms enqueueing of {total * 1e3:.0f} ms in all; per chunk median "
+          f"{sorted(enqueue)[len(enqueue) // 2] * 1e3:.1f} ms, last {enqueue[-1] * 1e3:.1f} ms", flush=True)
+    slot = cache.open(tokens + 1)
+    sites = collections.Counter()
+    with torch.inference_mode():
+        for lo in range(0, tokens // 2, chunk):
+            forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            forward_slots(model, cache, [slot], ids[:, tokens // 2:tokens // 2 + chunk])
+        torch.cuda.set_sync_debug_mode(0)
+    for w in caught:  # a synchronising operation warns at the Python line that called it
+        if "synchroniz" in str(w.message):
+            sites[f"{w.filename}:{w.lineno}"] += 1
+    print(f"  synchronisations in one chunk: {sum(sites.values())}", flush=True)
+    for site, count in sites.most_common(8):
+        print(f"    {count:4d}  {site}", flush=True)
+    cache.close(slot)
+
+
+def compare_copies(model, cache, ids, chunk: int, rounds: int) -> None:
+    """Whole prefills, alternating: the small host-to-device copies of each chunk (step metadata, positions,
+    new pages) through `transfer.to_device` (pinned, non-blocking) and as plain `torch.tensor(..., device=)`
+    copies from pageable memory (each waits for the device)."""
+    import statistics
+    import time
+
+    from oscarkv import transfer
+    from oscarkv.cache import paged
+    from oscarkv.integrations import slots, static_decode
+    from oscarkv.integrations.static_decode import forward_slots
+
+    modules = (paged, slots, static_decode)
+    plain = lambda values, dtype, device: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+    times = {"pinned": [], "plain": []}
+    tokens = ids.shape[1]
+    for _ in range(rounds):
+        for name, fn in (("pinned", transfer.to_device), ("plain", plain)):
+            for module in modules:
+                module.to_device = fn
+            slot = cache.open(tokens + 1)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                for lo in range(0, tokens, chunk):
+                    forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - started) * 1e3)
+            cache.close(slot)
+    for module in modules:
+        module.to_device = transfer.to_device
+    for name, values in times.items():
+        print(f"  copies {name:6s}: median {statistics.median(values):.0f} ms of {rounds} "
+              f"({', '.join(f'{v:.0f}' for v in values)})", flush=True)
+    torch.cuda.synchronize()
+    for name, fn in (("pinned", transfer.to_device), ("plain", plain)):
+        started = time.perf_counter()
+        for _ in range(1000):
+            fn([1, 2, 3, 4, 5, 6, 7, 8], torch.int32, "cuda")
+        torch.cuda.synchronize()
+        print(f"  one small copy, {name}: {(time.perf_counter() - started) * 1e3:.1f} us (idle GPU, mean of 1000)",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -558,6 +558,26 @@ def test_full_cache_refuses_cleanly_and_keeps_state():
         cache.step([b], [1001])
 
 
+@pytest.mark.parametrize("batch", [1, 3, 4, 5])
+def test_step_metadata_is_one_copy_with_aligned_parts(batch):
+    """A step's slots, offsets and lengths come in one host-to-device copy (`transfer.to_device`, no
+    synchronisation on CUDA); each part is what the host knew and starts on a 16-byte boundary, as a tensor of
+    its own would, so the kernels' compiled variants do not change with the batch size."""
+    layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)
+    cache = PagedKVCache([layout], num_pages=64, max_slots=8, max_context=1000, device=DEVICE)
+    slots = [cache.open_slot() for _ in range(batch)][::-1]
+    cache.step(slots, list(range(1, batch + 1)))
+    step = cache.step(slots, [5] * batch)
+    assert step.slots.tolist() == slots
+    assert step.cu_new.tolist() == [5 * i for i in range(batch + 1)]
+    assert step.lengths.tolist() == list(range(1, batch + 1))
+    assert step.host_rows == tuple(zip(slots, range(1, batch + 1), [5] * batch))
+    base = step.slots.data_ptr()
+    assert step.cu_new.data_ptr() != base and step.lengths.data_ptr() != step.cu_new.data_ptr()
+    for part in (step.slots, step.cu_new, step.lengths):
+        assert part.dtype == torch.int32 and part.is_contiguous() and (part.data_ptr() - base) % 16 == 0
+
+
 def test_triton_backend_without_gpu_or_interpreter_says_so(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(OscarError, match="not a CUDA GPU"):

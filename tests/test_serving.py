@@ -21,6 +21,7 @@ from oscarkv.random_models import TokenIdTokenizer
 from oscarkv.serving.build import build_engine
 from oscarkv.serving.engine import EngineConfig, Event, RequestRejected, SamplingParams
 from oscarkv.integrations.slots import DenseSlotCache, PagedSlotCache
+from oscarkv.integrations.static_decode import forward_slots
 from tiny_models import VOCAB, tiny_model
 
 SMALL = CacheConfig(sink_tokens=16, recent_tokens=32, page_size=16)
@@ -115,6 +116,29 @@ def test_dense_bf16_engine_equals_generate(chunk):
     _drain(engine)
     for i, prompt in enumerate(prompts):
         assert captured[i] == _reference_tokens(engine, prompt, 10, chunk=chunk)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="synchronisations with a GPU: CUDA only")
+@pytest.mark.parametrize("method", ["bf16", "hadamard"])
+def test_prompt_chunks_launch_without_waiting_for_the_gpu(method):
+    """A later chunk of a prompt (the engine's chunked prefill: the step's metadata, positions, new pages,
+    the INT2 write and extend attention) launches without a host-device synchronisation, so the host can
+    queue the next chunk while the GPU runs this one (torch's sync debug mode raises at any)."""
+    model = tiny_model("llama", head_dim=64, attention_scale=3.0).to("cuda", torch.bfloat16)
+    engine = build_engine(model, TokenIdTokenizer(VOCAB), method,
+                          config=EngineConfig(max_seqs=2, max_context=512, prefill_chunk=128),
+                          quant=QuantConfig(group_size=64), cache=SMALL)
+    ids = torch.tensor([_prompt(256)], device="cuda")
+    slot = engine.cache.open(257)
+    with torch.inference_mode():
+        forward_slots(model, engine.cache, [slot], ids[:, :128])  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = forward_slots(model, engine.cache, [slot], ids[:, 128:])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(logits).all()
 
 
 def test_engine_on_the_triton_kernels_equals_the_torch_references():

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import OscarError
 from ..quant.format import check_inner
+from ..transfer import to_device
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 
@@ -268,7 +269,7 @@ class PagedKVCache:
             new = self.allocator.allocate(missing)
             first = len(self.pages[slot])
             self.pages[slot].extend(new)
-            self.block_table[slot, first:first + missing] = torch.tensor(new, dtype=torch.int32).to(self.device)
+            self.block_table[slot, first:first + missing] = to_device(new, torch.int32, self.device)
 
     def step(self, slots: list[int], new_tokens: list[int]) -> StepBatch:
         """Reserve pages for a step that appends new_tokens[i] tokens to slots[i]; returns its metadata.
@@ -287,8 +288,15 @@ class PagedKVCache:
         for n in new_tokens:
             cu.append(cu[-1] + n)
         lengths = [self.lengths[s] for s in slots]
-        as_device = lambda xs: torch.tensor(xs, dtype=torch.int32).to(self.device)  # noqa: E731
-        return StepBatch(as_device(slots), as_device(cu), as_device(lengths), max(new_tokens, default=0),
+        # One copy without a synchronisation; each part starts on a 16-byte boundary, as a tensor of its
+        # own would (the kernels' pointer alignment, and so their compiled variants, stay the same).
+        parts = [list(slots), cu, lengths]
+        padded = [-(-len(p) // 4) * 4 for p in parts]
+        packed = to_device([x for p, n in zip(parts, padded) for x in p + [0] * (n - len(p))], torch.int32,
+                           self.device)
+        starts = [0, padded[0], padded[0] + padded[1]]
+        slots_d, cu_d, lengths_d = (packed[s:s + len(p)] for s, p in zip(starts, parts))
+        return StepBatch(slots_d, cu_d, lengths_d, max(new_tokens, default=0),
                          self.block_table, fresh=not any(lengths),
                          host_rows=tuple(zip(slots, lengths, new_tokens)))
 

@@ -116,9 +116,12 @@ class PagedOscarLayer(AttendingLayer):
         self.fresh_kv = (key_states, value_states) if step.fresh and n > 1 else None
         rotation, mean, pieces = (None, None, None) if keys_rotated else \
             (self.k_rotation, self.k_mean, self.rotation_pieces)
+        # validate=False: the step comes from this cache's own PagedKVCache (pages from its allocator, token
+        # counts from these shapes), so the block-table checks, which wait for the device, are skipped; the
+        # shape, dtype and device checks still run.
         self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, rotation, mean,
                                    quant.clip_ratio_k, quant.clip_ratio_v, backend=self.owner.backend,
-                                   validate=self.index == 0 and self.owner.frozen is None, pieces=pieces)
+                                   validate=False, pieces=pieces)
         self.length += n
         return self, self
 

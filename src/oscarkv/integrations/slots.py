@@ -29,6 +29,7 @@ from ..cache.paged import StepBatch
 from ..errors import OscarError
 from ..kernels.extend import causal_gqa_attention, gqa_attention
 from ..kernels.ops import attend_dense
+from ..transfer import to_device
 from .paged import AttendingLayer, PagedOscarCache, causal_attention, paged_layouts
 from .transformers import OscarState
 
@@ -310,8 +311,8 @@ class DenseSlotCache(DynamicCache):
             raise OscarError("the batch of a static decode cannot change before thaw().")
         self.batch_slots = list(slots)
         self.batch_starts = [self.lengths[s] for s in slots]
-        self.slots_on_device = torch.tensor(self.batch_slots, device=self.device)
-        self.starts_on_device = torch.tensor(self.batch_starts, device=self.device)
+        self.slots_on_device = to_device(self.batch_slots, torch.long, self.device)
+        self.starts_on_device = to_device(self.batch_starts, torch.long, self.device)
         longest = max(self.batch_starts, default=0)
         for layer in self.layers:
             layer.length = longest

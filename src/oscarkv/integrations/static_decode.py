@@ -28,6 +28,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..errors import OscarError
+from ..transfer import to_device
 from .decode_attention import fused_decode_attention
 from .fused_ops import compiled_small_ops
 from .gemv import gemv_linears
@@ -83,8 +84,8 @@ def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
 def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Tensor) -> torch.Tensor:
     """Append input_ids [B, n] (row i to slots[i]) through the model; last-position logits [B, V] (float32)."""
     n = input_ids.shape[1]
-    starts = torch.tensor([cache.length(s) for s in slots], dtype=torch.long)
-    positions = (starts[:, None] + torch.arange(n)[None]).to(input_ids.device)
+    starts = to_device([cache.length(s) for s in slots], torch.long, input_ids.device)
+    positions = starts[:, None] + torch.arange(n, device=input_ids.device)[None]
     cache.set_batch(slots)
     out = model(input_ids=input_ids, position_ids=positions, **{cache_keyword(model): cache}, use_cache=True,
                 logits_to_keep=1)
@@ -194,7 +195,7 @@ class DecodeGraphs:
                              f"got {b} slots and {len(last_tokens)} tokens.")
         self.cache.reserve_ahead(slots, 1)
         lengths = [self.cache.length(s) for s in slots]
-        host = torch.tensor([slots, lengths, last_tokens], dtype=torch.long)
+        host = to_device([slots, lengths, last_tokens], torch.long, self.device)  # one copy, no synchronisation
         self.slots[:b].copy_(host[0])
         self.lengths[:b].copy_(host[1])
         self.positions[:b, 0].copy_(host[1])  # the new token's position is the stored length

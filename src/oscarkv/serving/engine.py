@@ -32,6 +32,7 @@ import torch
 
 from ..errors import OscarError
 from ..integrations.static_decode import DecodeGraphs, forward_slots
+from ..transfer import to_device
 
 log = logging.getLogger("oscarkv.serving")
 
@@ -293,7 +294,7 @@ class Engine:
 
     def _forward(self, slots: list[int], ids: list[list[int]]) -> torch.Tensor:
         """Append `ids` (one equal-length row per slot) to `slots`; last-position logits [B, V]."""
-        return forward_slots(self.model, self.cache, slots, torch.tensor(ids, dtype=torch.long, device=self.device))
+        return forward_slots(self.model, self.cache, slots, to_device(ids, torch.long, self.device))
 
     def _prefill_chunk(self, seqs: list[Sequence]) -> None:
         seq = seqs[0]
