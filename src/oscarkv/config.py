@@ -113,7 +113,7 @@ class CacheConfig:
     extend_attention: how the paged cache's Triton backend attends in an extend step (several new tokens per
         sequence over stored ones, as a chunked prefill): "dequantize" (the history dequantized once per step,
         then one SDPA; `oscarkv.kernels.extend`), "fused" (the INT2 attention kernel, which decodes the
-        history in every block of query rows), or "auto" (default: "dequantize" from 64 new tokens per
+        history in every block of query rows), or "auto" (default: "dequantize" from 48 new tokens per
         sequence, where it is faster on the H100, else "fused"). Decode steps always run the kernel.
     """
 

@@ -26,10 +26,10 @@ from torch.nn.attention.bias import causal_lower_right
 from ..cache.paged import PagedLayer, StepBatch
 
 # New tokens per sequence from which "auto" dequantizes. H100, Qwen3 shapes, one layer (docs/kernels.md): the
-# fused kernel's time (32-row query blocks) grows with the new tokens (8K stored: 34 µs at 16, 85 at 48, 114 at
-# 64, 195 at 128), this path's hardly (103, 104, 105, 130 µs); at 8K the fused kernel is faster up to 48 new
-# tokens, at 32K up to 32 (195 against 229 µs; 48: 247 against 228).
-EXTEND_MIN_TOKENS = 64
+# fused kernel's time (32-row query blocks) grows with the new tokens (8K stored: 64 µs at 32, 85 at 48, 103 at
+# 56, 114 at 64), this path's hardly (73, 73, 74, 73 µs with the one-launch dense build); at 8K and at 32K the
+# fused kernel is faster at 32 new tokens (32K: 199 against 216 µs) and slower from 48 (32K: 249 against 217).
+EXTEND_MIN_TOKENS = 48
 EXTEND_MAX_BYTES = 2 << 30  # the dense keys and values of one sequence; longer sequences keep the fused kernel
 MASK_ELEMENTS = 1 << 28  # per SDPA call: query tokens go in blocks whose [G·tokens, T] mask stays within this
 # The SDPA's dtype: float16 keeps 3 more bits of the dequantized values and the queries than bfloat16 (as
