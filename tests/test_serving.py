@@ -27,8 +27,10 @@ from tiny_models import VOCAB, tiny_model
 SMALL = CacheConfig(sink_tokens=16, recent_tokens=32, page_size=16)
 
 
-def _tiny_engine(method="hadamard", backend="torch", **config):
+def _tiny_engine(method="hadamard", backend="torch", device="cpu", **config):
     model = tiny_model("llama", head_dim=64, attention_scale=3.0)
+    if device != "cpu":
+        model = model.to(device, torch.bfloat16)
     settings = dict(max_seqs=4, max_context=256, prefill_chunk=512)
     settings.update(config)
     engine = build_engine(model, TokenIdTokenizer(VOCAB), method, config=EngineConfig(**settings),
@@ -124,10 +126,8 @@ def test_prompt_chunks_launch_without_waiting_for_the_gpu(method):
     """A later chunk of a prompt (the engine's chunked prefill: the step's metadata, positions, new pages,
     the INT2 write and extend attention) launches without a host-device synchronisation, so the host can
     queue the next chunk while the GPU runs this one (torch's sync debug mode raises at any)."""
-    model = tiny_model("llama", head_dim=64, attention_scale=3.0).to("cuda", torch.bfloat16)
-    engine = build_engine(model, TokenIdTokenizer(VOCAB), method,
-                          config=EngineConfig(max_seqs=2, max_context=512, prefill_chunk=128),
-                          quant=QuantConfig(group_size=64), cache=SMALL)
+    engine = _tiny_engine(method, "auto", "cuda", max_seqs=2, max_context=512, prefill_chunk=128)
+    model = engine.model
     ids = torch.tensor([_prompt(256)], device="cuda")
     slot = engine.cache.open(257)
     with torch.inference_mode():
@@ -346,17 +346,20 @@ def test_short_load_test_over_loopback(served):
     assert report.pages_used_after == 0 and report.slots_used_after == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 @pytest.mark.parametrize("method", ["hadamard", "bf16"])
-def test_static_decode_steps_give_the_engine_the_same_tokens(method):
-    """DecodeGraphs (run eagerly here; replayed from CUDA graphs on a GPU) against the plain forward:
-    the same requests, admitted at different steps so the batch changes, give the same tokens."""
+def test_static_decode_steps_give_the_engine_the_same_tokens(method, device):
+    """DecodeGraphs (run eagerly on the CPU; on a GPU replayed from CUDA graphs, with the Triton kernels)
+    against the plain forward: the same requests, admitted at different steps so the batch changes, give the
+    same tokens."""
     from oscarkv.integrations.static_decode import DecodeGraphs
 
     outputs = []
     for static in (False, True):
-        engine = _tiny_engine(method, cuda_graphs=False)
+        engine = _tiny_engine(method, "auto" if device == "cuda" else "torch", device, cuda_graphs=False)
         if static:
-            engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.config.max_seqs, graphs=False)
+            engine.graphs = DecodeGraphs(engine.model, engine.cache, engine.config.max_seqs,
+                                         graphs=device == "cuda")
         collectors = []
         for i, n in enumerate((40, 90, 10)):
             collectors.append(Collector())
