@@ -30,10 +30,15 @@ def _fill_stream(codes_ptr, scale_ptr, zero_ptr, shift_ptr, sink_ptr, ring_ptr, 
                  S: tl.constexpr, C: tl.constexpr, LLOYD: tl.constexpr, KEY_SHIFTS: tl.constexpr,
                  RING_DTYPE: tl.constexpr, ROUND_NEW: tl.constexpr):
     """Positions `pos` of KV head h of one stream (keys or values) into out [Hkv, tokens, D], each from its
-    region: sink (pos < min(stored, S)), history pages (S <= pos < limit, dequantized as
-    value = (level(c) - zero)·scale per group, plus the key shift of the page's block), ring (history_end <= pos < stored), or the step's own tokens (from
-    stored on: rows new_start + pos - stored of new_ptr [T, Hkv, D]; ROUND_NEW: rounded to the ring's dtype
-    first, as the ring stores them)."""
+    region:
+    - sink: pos < min(stored, S);
+    - history pages: S <= pos < limit, value = (level(c) - zero)·scale per group, plus the key shift of the
+      page's block;
+    - ring: history_end <= pos < stored;
+    - the step's own tokens: from stored on, rows new_start + pos - stored of new_ptr [T, Hkv, D]
+      (ROUND_NEW: rounded to the ring's dtype first, as the ring stores them).
+    Byte j of a history row holds, in bit plane k, the code of channel k·NB + j (`quant.format.pack_codes`);
+    the index arithmetic of the other regions is masked where the position is not theirs."""
     NB: tl.constexpr = D * BITS // 8
     G: tl.constexpr = D // NG
     cols = tl.arange(0, NB)
