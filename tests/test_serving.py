@@ -19,7 +19,7 @@ from oscarkv.errors import OscarError
 from oscarkv.integrations.paged import PagedOscarCache
 from oscarkv.random_models import TokenIdTokenizer
 from oscarkv.serving.build import build_engine
-from oscarkv.serving.engine import EngineConfig, Event, RequestRejected, SamplingParams
+from oscarkv.serving.engine import EXTEND_TAIL_TOKENS, EngineConfig, Event, RequestRejected, SamplingParams
 from oscarkv.integrations.slots import DenseSlotCache, PagedSlotCache
 from oscarkv.integrations.static_decode import forward_slots
 from tiny_models import VOCAB, tiny_model
@@ -192,9 +192,21 @@ def test_full_queue_answers_503_and_cancelled_requests_free_their_slot():
     assert engine.cache.usage().slots_used == 0 and engine.cache.usage().pages_used == 0
 
 
+def _warm_up_chunks(engine) -> list[int]:
+    """The prompt chunks the warm-up forwards (one sequence each), in order."""
+    chunks = []
+    forward = engine._forward
+    engine._forward = lambda slots, ids: (chunks.extend(len(x) for x in ids if len(slots) == 1 and len(x) > 1),
+                                          forward(slots, ids))[1]
+    assert engine.warm_up()
+    engine._forward = forward
+    return chunks
+
+
 def test_warm_up_leaves_the_cache_empty_and_results_unchanged():
     engine = _tiny_engine(max_seqs=3, prefill_chunk=40)
-    assert engine.warm_up()
+    # a prompt's first chunk, a second over it (extend: the dense-KV path on a GPU) and a short last one
+    assert _warm_up_chunks(engine) == [40, 40, EXTEND_TAIL_TOKENS]
     usage = engine.cache.usage()
     assert usage.slots_used == 0 and usage.pages_used == 0 and usage.pages_promised == 0
     captured = {}
@@ -204,6 +216,12 @@ def test_warm_up_leaves_the_cache_empty_and_results_unchanged():
     engine.submit(prompt, SamplingParams(max_tokens=8), Collector())
     _drain(engine)
     assert captured[0] == _reference_tokens(engine, prompt, 8, chunk=40)
+
+
+def test_warm_up_chunks_fit_max_context():
+    """Where two chunks and the tail do not fit one request, the warm-up keeps what fits: here one chunk."""
+    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=200)) == [200]
+    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=120)) == [120, 120]
 
 
 def test_stop_strings_end_the_text_before_them():

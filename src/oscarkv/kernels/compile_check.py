@@ -144,11 +144,11 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         dense_kv = dict(HKV=hkv, D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink,
                         C=recent + page, K_LLOYD=False, V_LLOYD=value_bits == 2, KEY_SHIFTS=True, BLOCK=64)
         jobs.append((triton_dequantize._dense_kv_kernel, DENSE_KV_TYPES, dense_kv, dict(num_warps=4)))
-        # A launch passes an int argument equal to 1 as a constant (slot 1, one stored token, ...): the kernel
-        # must compile with each of them so (a constant has no `.to`; found on the H100, not by the interpreter).
-        jobs.append((triton_dequantize._dense_kv_kernel, DENSE_KV_TYPES,
-                     dict(dense_kv, **{name: 1 for name, kind in DENSE_KV_TYPES.items() if kind == "i32"}),
-                     dict(num_warps=4)))
+        # A launch passes an int argument equal to 1 as a constant, except those it does not specialise (the
+        # per-step ones): the kernel must compile with each of them so (a constant has no `.to`).
+        ones = {name: 1 for name, kind in DENSE_KV_TYPES.items()
+                if kind == "i32" and name not in triton_dequantize.PER_STEP_INTS}
+        jobs.append((triton_dequantize._dense_kv_kernel, DENSE_KV_TYPES, dict(dense_kv, **ones), dict(num_warps=4)))
         jobs.append((triton_dense._dense_decode_kernel, DENSE_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, NUM_SPLITS=17, BLOCK_M=16, BLOCK_N=64, DOT_DTYPE=tl.bfloat16),
                      dict(num_warps=4, num_stages=3)))

@@ -78,6 +78,11 @@ class EngineConfig:
                 raise OscarError(f"{name}={getattr(self, name)} must be >= 1.")
 
 
+
+# The short last chunk of a warm-up prompt: more than 16 query rows per KV head at any GQA ratio (the fused
+# kernel's 32-row blocks) and fewer new tokens than `kernels.extend.EXTEND_MIN_TOKENS` (not dequantized).
+EXTEND_TAIL_TOKENS = 17
+
 @dataclass
 class Event:
     """kind: "token" (text is the new text, maybe empty), "done" (finish_reason "stop" or "length"),
@@ -213,20 +218,28 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self) -> bool:
-        """Before serving: one prefill chunk and one decode step at every batch size, on throw-away
+        """Before serving: prefill chunks and one decode step at every batch size, on throw-away
         slots, so that the kernels compile now rather than stalling the first requests (Triton
-        compiles one variant per split count, and the split count changes with the batch).
-        Returns False, doing nothing, if the cache cannot hold the throw-away sequences."""
+        compiles one variant per split count, and the split count changes with the batch). The
+        chunks are a prompt's first, a second over it and a short last one (the extend steps of
+        longer prompts: the paged cache's dense-KV kernel and the fused kernel's 32-row blocks),
+        where max_context holds them. Returns False, doing nothing, if the cache cannot hold the
+        throw-away sequences."""
         m = self.config.max_seqs
         steps = 2 if self.graphs else 1  # with graphs, each batch size also runs (and captures) a static step
-        need = [self.config.prefill_chunk + steps * m] + [steps * m] * (m - 1)
+        chunk = self.config.prefill_chunk
+        chunks = [chunk, chunk, EXTEND_TAIL_TOKENS]
+        while sum(chunks) + steps * m > self.config.max_context and len(chunks) > 1:
+            chunks.pop()
+        need = [sum(chunks) + steps * m] + [steps * m] * (m - 1)
         pages = sum(self.cache.units_for(t) for t in need)
         if self._running or self._waiting or need[0] > self.config.max_context or (
                 self.cache.capacity_units() and pages > self.cache.capacity_units()):
             return False
         slots = [self.cache.open(t) for t in need]
         try:
-            self._forward(slots[:1], [[0] * self.config.prefill_chunk])
+            for n in chunks:
+                self._forward(slots[:1], [[0] * n])
             for b in range(1, m + 1):
                 self._forward(slots[:b], [[0]] * b)
                 if self.graphs:  # captured now, after the eager step compiled its kernels
