@@ -114,8 +114,6 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
                     copies: int = 0) -> None:
     """Whole-model chunked prefill (as `oscarkv serve --prefill-chunk`): a `tokens`-token prompt in `chunk`-token
     forwards into one slot, BF16 cache, then INT2 with each extend path; best of two after a warm-up."""
-    import time
-
     import oscarkv
     from oscarkv.benchmarks.decode import release_memory
     from oscarkv.config import CacheConfig
@@ -128,18 +126,8 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
         release_memory()
         oscarkv.patch(model, method=method, cache=CacheConfig(extend_attention=path))
         cache = slot_cache_for(model, 1, tokens + 1)
-        best = float("inf")
-        for repeat in range(3):
-            slot = cache.open(tokens + 1)
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            with torch.inference_mode():
-                for lo in range(0, tokens, chunk):
-                    forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
-            torch.cuda.synchronize()
-            if repeat:
-                best = min(best, time.perf_counter() - started)
-            cache.close(slot)
+        timed_prefill(model, cache, ids, chunk)  # warm-up
+        best = min(timed_prefill(model, cache, ids, chunk) for _ in range(2))
         name = "bf16" if method == "bf16" else f"int2 extend_attention={path}"
         print(f"{model_name} chunked prefill {tokens} tokens in {chunk}-token chunks, {name}: "
               f"{best * 1e3:.0f} ms", flush=True)
@@ -162,6 +150,24 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
             cache.close(slot)
         del cache
 
+
+
+def timed_prefill(model, cache, ids, chunk: int) -> float:
+    """Seconds to prefill ids [1, T] into a fresh slot of `cache` in `chunk`-token forwards (the slot is closed after)."""
+    import time
+
+    from oscarkv.integrations.static_decode import forward_slots
+
+    slot = cache.open(ids.shape[1] + 1)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for lo in range(0, ids.shape[1], chunk):
+            forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    cache.close(slot)
+    return seconds
 
 def host_report(model, cache, ids, chunk: int) -> None:
     """The host's time to enqueue each chunk's forward (no synchronisation between chunks), against the
@@ -217,25 +223,15 @@ def compare_copies(model, cache, ids, chunk: int, rounds: int) -> None:
     from oscarkv import transfer
     from oscarkv.cache import paged
     from oscarkv.integrations import slots, static_decode
-    from oscarkv.integrations.static_decode import forward_slots
 
     modules = (paged, slots, static_decode)
     plain = lambda values, dtype, device: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
     times = {"pinned": [], "plain": []}
-    tokens = ids.shape[1]
     for _ in range(rounds):
         for name, fn in (("pinned", transfer.to_device), ("plain", plain)):
             for module in modules:
                 module.to_device = fn
-            slot = cache.open(tokens + 1)
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            with torch.inference_mode():
-                for lo in range(0, tokens, chunk):
-                    forward_slots(model, cache, [slot], ids[:, lo:lo + chunk])
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - started) * 1e3)
-            cache.close(slot)
+            times[name].append(timed_prefill(model, cache, ids, chunk) * 1e3)
     for module in modules:
         module.to_device = transfer.to_device
     for name, values in times.items():
