@@ -83,8 +83,8 @@ def _fill_stream(codes_ptr, scale_ptr, zero_ptr, shift_ptr, sink_ptr, ring_ptr, 
 
 
 # Integer arguments that change from step to step. Triton would otherwise compile a variant of the kernel for
-# each combination of "equals 1" and "multiple of 16" among them (up to 3^6), in the middle of serving: a
-# 32-client prompt burst on the H100 took 20.5 s instead of 9.9 s to read every prompt with them specialised.
+# each combination of "equals 1" and "multiple of 16" among them (up to 3^6), in the middle of serving: on the
+# H100, 24 extend steps of different lengths compiled 4 variants (6.6 s) specialised, 1 (1.5 s) without.
 PER_STEP_INTS = ("slot", "stored", "limit", "history_end", "new_start", "tokens")
 
 
