@@ -151,7 +151,6 @@ def chunked_prefill(model_name: str, tokens: int, chunk: int, profile: bool = Fa
         del cache
 
 
-
 def timed_prefill(model, cache, ids, chunk: int) -> float:
     """Seconds to prefill ids [1, T] into a fresh slot of `cache` in `chunk`-token forwards (the slot is closed after)."""
     import time
@@ -168,6 +167,7 @@ def timed_prefill(model, cache, ids, chunk: int) -> float:
     seconds = time.perf_counter() - started
     cache.close(slot)
     return seconds
+
 
 def host_report(model, cache, ids, chunk: int) -> None:
     """The host's time to enqueue each chunk's forward (no synchronisation between chunks), against the

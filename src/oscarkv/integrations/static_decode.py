@@ -195,11 +195,11 @@ class DecodeGraphs:
                              f"got {b} slots and {len(last_tokens)} tokens.")
         self.cache.reserve_ahead(slots, 1)
         lengths = [self.cache.length(s) for s in slots]
-        host = to_device([slots, lengths, last_tokens], torch.long, self.device)  # one copy, no synchronisation
-        self.slots[:b].copy_(host[0])
-        self.lengths[:b].copy_(host[1])
-        self.positions[:b, 0].copy_(host[1])  # the new token's position is the stored length
-        self.ids[:b, 0].copy_(host[2])
+        step = to_device([slots, lengths, last_tokens], torch.long, self.device)  # one copy, no synchronisation
+        self.slots[:b].copy_(step[0])
+        self.lengths[:b].copy_(step[1])
+        self.positions[:b, 0].copy_(step[1])  # the new token's position is the stored length
+        self.ids[:b, 0].copy_(step[2])
         if b in self._captured:
             graph, out = self._captured[b]
             graph.replay()
