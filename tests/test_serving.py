@@ -224,6 +224,23 @@ def test_warm_up_chunks_fit_max_context():
     assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=120)) == [120, 120]
 
 
+def test_warm_up_reports_progress_up_to_its_total():
+    """serve's progress bar: one report before the work, then one per chunk and per batch size, ending at the total."""
+    engine = _tiny_engine(max_seqs=3, prefill_chunk=40)
+    reports = []
+    assert engine.warm_up(progress=lambda done, total: reports.append((done, total)))
+    total = 3 + 3  # three prompt chunks (two of 40 tokens and the short tail), then batch sizes 1..3
+    assert reports == [(done, total) for done in range(total + 1)]
+
+
+def test_serve_warm_up_bar_follows_the_engine(capsys):
+    from oscarkv.cli import _warm_up_with_bar
+
+    engine = _tiny_engine(max_seqs=2, prefill_chunk=40)
+    assert _warm_up_with_bar(engine)
+    assert "5/5" in capsys.readouterr().err  # three chunks and two batch sizes, all shown done
+
+
 def test_stop_strings_end_the_text_before_them():
     engine = _tiny_engine()
     free = Collector()

@@ -408,6 +408,20 @@ def cmd_bench_decode(args) -> int:
     return 0
 
 
+def _warm_up_with_bar(engine) -> bool:
+    """`engine.warm_up` with a progress bar: it compiles and captures for a minute or more on a fresh GPU machine."""
+    from tqdm import tqdm
+
+    with tqdm(desc="oscarkv serve: warming up (prompt chunks, then each batch size)", unit="step",
+              leave=False, mininterval=0) as bar:  # a step takes a second or more: draw each one
+        def show(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+            bar.refresh()
+
+        return engine.warm_up(progress=show)
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -429,7 +443,7 @@ def cmd_serve(args) -> int:
                           cache=CacheConfig(compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas))
     if model.device.type == "cuda" and not args.no_warm_up:
         started = time.time()
-        warmed = engine.warm_up()
+        warmed = _warm_up_with_bar(engine)
         print(f"oscarkv serve: kernels warmed up for batch sizes 1..{config.max_seqs} in {time.time() - started:.0f} s"
               if warmed else "oscarkv serve: no warm-up (the cache cannot hold its throw-away sequences)",
               file=sys.stderr)

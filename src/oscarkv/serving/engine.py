@@ -217,14 +217,14 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self.crashed is None
 
     @torch.inference_mode()
-    def warm_up(self) -> bool:
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> bool:
         """Before serving: prefill chunks and one decode step at every batch size, on throw-away
         slots, so that the kernels compile now rather than stalling the first requests (Triton
         compiles one variant per split count, and the split count changes with the batch). The
         chunks are a prompt's first, a second over it and a short last one (the extend steps of
         longer prompts: the paged cache's dense-KV kernel and the fused kernel's 32-row blocks),
         where max_context holds them. Returns False, doing nothing, if the cache cannot hold the
-        throw-away sequences."""
+        throw-away sequences. progress(done, total) is called after each chunk and each batch size."""
         m = self.config.max_seqs
         steps = 2 if self.graphs else 1  # with graphs, each batch size also runs (and captures) a static step
         chunk = self.config.prefill_chunk
@@ -237,13 +237,18 @@ class Engine:
                 self.cache.capacity_units() and pages > self.cache.capacity_units()):
             return False
         slots = [self.cache.open(t) for t in need]
+        told = progress or (lambda done, total: None)
+        total = len(chunks) + m
+        told(0, total)
         try:
-            for n in chunks:
+            for i, n in enumerate(chunks):
                 self._forward(slots[:1], [[0] * n])
+                told(i + 1, total)
             for b in range(1, m + 1):
                 self._forward(slots[:b], [[0]] * b)
                 if self.graphs:  # captured now, after the eager step compiled its kernels
                     self.graphs.logits(slots[:b], [0] * b)
+                told(len(chunks) + b, total)
         finally:
             for slot in slots:
                 self.cache.close(slot)
