@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A/B of `oscarkv serve` with the INT2 cache (method hadamard) between two source trees on one machine:
+# old, new, old again (if time allows), each a fresh server with scripts/serve_throughput.sh's settings.
+# Machine-to-machine spread is larger than most code changes, so compare runs of one call only.
+# Usage (GPU machine, fastapi/uvicorn importable, `oscarkv` on PATH running `python3 -m oscarkv.cli`):
+#   mkdir old && git archive REV src | tar -x -C old
+#   scripts/serve_ab.sh OUT_DIR old/src src [CLIENTS] [PROMPT_TOKENS] [MAX_TOKENS]
+set -uo pipefail
+out=${1:?output directory}; old=$(realpath "${2:?old src directory}"); new=$(realpath "${3:?new src directory}")
+clients=${4:-32}; prompt=${5:-8192}; gen=${6:-384}
+mkdir -p "$out"; start=$SECONDS; base=${PYTHONPATH:+$PYTHONPATH:}
+one() {  # label src
+  port=8100; t0=$SECONDS
+  PYTHONPATH=$base$2 oscarkv serve random:qwen3-4b --method hadamard --max-seqs "$clients" \
+    --max-context $((prompt + gen + 64)) --prefill-chunk 2048 --port $port > "$out/server-$1.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+    kill -0 $server 2> /dev/null || { cat "$out/server-$1.log"; exit 1; }
+    sleep 1
+  done
+  echo "$1: server ready after $((SECONDS - t0)) s"
+  PYTHONPATH=$base$2 oscarkv bench serve --url "http://127.0.0.1:$port" --clients "$clients" \
+    --prompt-tokens "$prompt" --max-tokens "$gen" --vocab 151936 --json > "$out/serve-$1.json"
+  python3 -c "import json; d = json.load(open('$out/serve-$1.json')); print('$1: prompts read in', \
+round(d['all_started_s'], 2), 's, decode', round(d['decode_tokens_per_s']), 'tokens/s')"
+  kill $server; wait $server 2> /dev/null
+}
+one old1 "$old"
+one new1 "$new"
+if (( SECONDS - start < 380 )); then one old2 "$old"; fi
