@@ -150,15 +150,57 @@ def test_extend_attention_setting_reaches_the_kernels(monkeypatch):
         assert (logits[path] - logits["auto"]).abs().max() < 2e-2
 
 
-def test_auto_uses_reference_cache_on_cpu_and_paged_refuses_padding():
+def test_auto_uses_reference_cache_on_cpu():
     model = _patched("llama", kernel="auto")
     if DEVICE == "cpu":
         assert isinstance(model.oscar.new_cache("cpu"), OscarCache)
-    model.oscar.cache = CacheConfig(kernel="paged", **PAGED)
+
+
+def _greedy_steps(model, ids, mask, steps):
+    """Prefill and `steps` greedy decode steps through one paged cache, positions as generate() gives
+    them; returns the logits of every forward, concatenated along the tokens."""
+    cache = model.oscar.new_cache(DEVICE)
+    assert isinstance(cache, PagedOscarCache)
+    logits = []
+    for _ in range(steps + 1):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits.float()
+        logits.append(out)
+        ids = out[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_paged_cache_takes_left_padded_batches(family):
+    """A left-padded batch gives each row what the row alone gives: the padding is never stored (each slot
+    holds its real tokens from position 0) and never read. 97 and 70 tokens put 3 and 1 pages of both rows in
+    INT2 (sink 16, ring 32..47); Gemma3's sliding layers (window 24 in the tiny model) take the paged kernel
+    already in the prompt."""
+    model = _patched(family)
+    pad = 27
+    a, b = _ids(97, seed=1).to(DEVICE), _ids(70, seed=2).to(DEVICE)
+    ids = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long, device=DEVICE), b], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    with torch.no_grad():
+        batched = _greedy_steps(model, ids, mask, 3)
+        alone_a = _greedy_steps(model, a, torch.ones_like(a), 3)
+        alone_b = _greedy_steps(model, b, torch.ones_like(b), 3)
+    assert (batched[0] - alone_a[0]).abs().max() < 2e-3
+    assert (batched[1, pad:] - alone_b[0]).abs().max() < 2e-3
+    assert torch.isfinite(batched).all()
+
+
+def test_paged_cache_refuses_right_padding_and_empty_rows():
+    model = _patched("llama")
     ids = _ids(10, batch=2).to(DEVICE)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with pytest.raises(OscarError, match="unpadded"), torch.no_grad():
+    mask[0, -3:] = 0
+    with pytest.raises(OscarError, match="left padding"), torch.no_grad():
+        model(ids, attention_mask=mask)
+    mask[0] = 0
+    with pytest.raises(OscarError, match="all padding"), torch.no_grad():
         model(ids, attention_mask=mask)
 
 

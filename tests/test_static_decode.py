@@ -101,6 +101,25 @@ def test_frozen_cache_refuses_a_new_batch_and_overflow():
         dense.freeze(17)
 
 
+@pytest.mark.parametrize("method", ["oscar", "bf16"])
+def test_left_padded_static_generation_equals_each_row_alone(method):
+    """Each padded row reads its prompt without the padding; the rows then decode together from different
+    lengths (71 and 52 tokens: flushes at different steps) and give what each row gives alone."""
+    model = _model(method)
+    pad = 19
+    a, b = _ids(71, seed=3).to(DEVICE), _ids(52, seed=4).to(DEVICE)
+    ids = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long, device=DEVICE), b], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    backend = PAGED_BACKEND if method == "oscar" else "auto"
+    batched = generate_static(model, ids, 25, attention_mask=mask, backend=backend)
+    assert torch.equal(batched[0], generate_static(model, a, 25, backend=backend)[0])
+    assert torch.equal(batched[1, pad:], generate_static(model, b, 25, backend=backend)[0])
+    mask[1] = 0
+    with pytest.raises(OscarError, match="all padding"):
+        generate_static(model, ids, 5, attention_mask=mask, backend=backend)
+
+
 def test_stop_at_eos_matches_greedy_search():
     new = torch.tensor([[1, 5, 2, 3], [5, 1, 1, 1]])
     assert stop_at_eos(new, 5, 0).tolist() == [[1, 5], [5, 0]]  # every row stopped: ends at the last EOS
@@ -118,8 +137,10 @@ def test_generate_routes_only_plain_greedy_calls_on_cuda():
         return
     assert arguments["max_new_tokens"] == 4 and arguments["input_ids"] is ids
     for extra in ({"do_sample": True}, {"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()},
-                  {"attention_mask": torch.cat([torch.zeros_like(ids[:, :1]), ids[:, 1:]], 1) * 0}):
+                  {"attention_mask": torch.cat([torch.ones_like(ids[:, :1]), torch.zeros_like(ids[:, 1:])], 1)}):
         assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4, **extra}) is None
+    left_padded = torch.cat([torch.zeros_like(ids[:, :3]), torch.ones_like(ids[:, 3:])], 1)
+    assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "attention_mask": left_padded}) is not None
     model.oscar.cache = CacheConfig(kernel="paged", static_decode=False, **PAGED)
     assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4}) is None
 

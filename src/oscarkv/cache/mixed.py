@@ -242,6 +242,19 @@ class OscarLayer(DynamicLayer):
         return windows + self.history_k.nbytes() + self.history_v.nbytes()
 
 
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Leading padding of each row of a 2-D mask [B, T] (long [B]); OscarError if the mask is not left padding."""
+    mask = attention_mask.bool()
+    pad = (~mask).int().cumprod(dim=1).sum(dim=1)  # leading zeros per row
+    expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pad[:, None]
+    if not torch.equal(mask, expected):
+        raise OscarError(
+            "the attention mask has holes or right padding; the oscarkv cache supports left padding only "
+            "(tokenizer.padding_side = 'left')."
+        )
+    return pad.long()
+
+
 class OscarCache(DynamicCache):
     """A DynamicCache whose layers are `OscarLayer`s (so `generate` treats it as dynamic)."""
 
@@ -255,14 +268,7 @@ class OscarCache(DynamicCache):
         if attention_mask is None or attention_mask.dim() != 2:
             self._pad = None
             return
-        mask = attention_mask.bool()
-        pad = (~mask).int().cumprod(dim=1).sum(dim=1)  # leading zeros per row
-        expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pad[:, None]
-        if not torch.equal(mask, expected):
-            raise OscarError(
-                "the attention mask has holes or right padding; the oscarkv cache supports left padding only "
-                "(tokenizer.padding_side = 'left')."
-            )
+        pad = left_padding(attention_mask)
         if self.cache_config.key_grouping == "channel" and bool(pad.any()):
             raise OscarError("key_grouping='channel' (kivi2) groups keys over aligned token groups and does not "
                              "support left padding; evaluate one sequence at a time or pad to equal lengths.")

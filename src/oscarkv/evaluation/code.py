@@ -163,7 +163,8 @@ def evaluate_code(model, tokenizer, problems: list[CodeProblem], methods: list[s
     """Every problem through every method's cache (greedy), then its tests."""
     longest = max(len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in problems)
     check_context(model, longest + max_new_tokens)
-    # Batches are left-padded: the reference cache serves them on every device.
+    # Batches are left-padded; the reference cache serves every method (kivi2 and turboquant3 have no paged
+    # cache) the same way on every device.
     cache = replace(cache, kernel="reference")
     windows = cache.sink_tokens + cache.recent_tokens
     results = []

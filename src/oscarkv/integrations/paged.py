@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from ..cache.mixed import LayerSpec
+from ..cache.mixed import LayerSpec, left_padding
 from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
 from ..config import CacheConfig
 from ..errors import OscarError
@@ -38,11 +38,24 @@ def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, he
                         recent_tokens=config.recent_tokens) for spec in specs]
 
 
-def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     pad: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA of a prompt chunk over itself: query [B, Hq, n, D], keys/values [B, Hkv, n, D]
-    -> [B, n, Hq, D] in query.dtype (flash attention on the GPU)."""
-    out = F.scaled_dot_product_attention(query, keys.to(query.dtype), values.to(query.dtype), is_causal=True,
-                                         scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])
+    -> [B, n, Hq, D] in query.dtype (flash attention on the GPU). pad: long [B], each row's left
+    padding; no token reads a padding key, and the padding rows' outputs are zero."""
+    mask = None
+    if pad is not None:
+        n = query.shape[2]
+        i = torch.arange(n, device=query.device)
+        real = i[None, :] >= pad[:, None]  # [B, n]
+        # A padding query sees only itself (a row with no key would give NaN), and is zeroed below.
+        mask = (i[None, :, None] >= i[None, None, :]) & (real[:, None, :] | (i[:, None] == i[None, :])[None])
+        mask = mask[:, None]  # [B, 1, n, n]
+    out = F.scaled_dot_product_attention(query, keys.to(query.dtype), values.to(query.dtype), attn_mask=mask,
+                                         is_causal=mask is None, scale=scaling,
+                                         enable_gqa=keys.shape[1] != query.shape[1])
+    if pad is not None:
+        out = out * real[:, None, :, None].to(out.dtype)
     return out.transpose(1, 2)
 
 
@@ -106,8 +119,10 @@ class PagedOscarLayer(AttendingLayer):
             self.lazy_initialization(key_states, value_states)
         b, hkv, n, d = key_states.shape
         step = self.owner.begin_step(self.index, b, n, key_states.device)
-        k = key_states.transpose(1, 2).reshape(b * n, hkv, d).contiguous()
-        v = value_states.transpose(1, 2).reshape(b * n, hkv, d).contiguous()
+        k = key_states.transpose(1, 2).reshape(b * n, hkv, d)
+        v = value_states.transpose(1, 2).reshape(b * n, hkv, d)
+        rows = self.owner.real_rows  # a left-padded first step stores its real tokens only
+        k, v = (k.contiguous(), v.contiguous()) if rows is None else (k[rows], v[rows])
         quant = self.spec.quant
         self.step = step
         self.new_values = v
@@ -129,9 +144,14 @@ class PagedOscarLayer(AttendingLayer):
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
         b, hq, n, d = query.shape
         if self.fresh_kv is not None and not (sliding_window and sliding_window < n):
-            return causal_attention(query, *self.fresh_kv, scaling)
+            return causal_attention(query, *self.fresh_kv, scaling, self.owner.step_padding)
         q = rotate_queries(query, self.k_rotation, backend=self.owner.backend)
-        return self._attend_rotated(q, scaling, sliding_window).reshape(b, n, hq, d)
+        rows = self.owner.real_rows
+        if rows is None:
+            return self._attend_rotated(q, scaling, sliding_window).reshape(b, n, hq, d)
+        out = q.new_zeros(b * n, hq, d)  # padding rows stay zero
+        out[rows] = self._attend_rotated(q[rows], scaling, sliding_window)
+        return out.reshape(b, n, hq, d)
 
     @property
     def query_rotation(self) -> torch.Tensor | None:
@@ -188,6 +208,9 @@ class PagedOscarCache(DynamicCache):
         self.storage: PagedKVCache | None = None
         self.slots: list[int] = []
         self._step: StepBatch | None = None
+        self._pad: torch.Tensor | None = None  # left padding of the first step's rows (set_padding)
+        self.step_padding: torch.Tensor | None = None  # the current step's left padding, on its device
+        self.real_rows: torch.Tensor | None = None  # its rows of real tokens in the flattened [B·n] step
         self.frozen: StepBatch | None = None  # the one StepBatch of every step of a static decode
         Cache.__init__(self, layers=[PagedOscarLayer(i, spec, self) for i, spec in enumerate(specs)])
 
@@ -202,9 +225,16 @@ class PagedOscarCache(DynamicCache):
         return storage
 
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.bool().all()):
-            raise OscarError("the paged INT2 cache takes unpadded batches only (equal-length prompts); "
-                             "use CacheConfig(kernel='reference') for left-padded batches.")
+        """Record each row's left padding from a 2-D mask [B, T] before the first step. The padding is
+        not stored: each sequence's slot holds its real tokens from position 0 (the positions
+        `generate` gives them), and the padding rows' attention outputs are zero."""
+        self._pad = None
+        if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.bool().all()):
+            return
+        pad = left_padding(attention_mask)
+        if bool((pad >= attention_mask.shape[1]).any()):
+            raise OscarError("a row of the batch is all padding; give every row at least one token.")
+        self._pad = pad
 
     def begin_step(self, layer_index: int, batch: int, new_tokens: int, device: torch.device) -> StepBatch:
         """The step of the current forward: made by layer 0, reused by the others."""
@@ -222,7 +252,17 @@ class PagedOscarCache(DynamicCache):
             self.slots = [self.storage.open_slot() for _ in range(batch)]
         if batch != len(self.slots):
             raise OscarError(f"this cache holds {len(self.slots)} sequences but the step has {batch}.")
-        return self.storage.step(self.slots, [new_tokens] * batch)
+        pad, self._pad = self._pad, None  # the padding belongs to the first step only
+        self.step_padding = self.real_rows = None
+        if pad is None:
+            return self.storage.step(self.slots, [new_tokens] * batch)
+        if pad.shape[0] != batch or int(pad.max()) >= new_tokens:
+            raise OscarError(f"the attention mask ({pad.shape[0]} rows) does not fit the first step's {batch} rows "
+                             f"of {new_tokens} tokens.")
+        self.step_padding = pad.to(device)
+        real = torch.arange(new_tokens, device=device)[None, :] >= self.step_padding[:, None]
+        self.real_rows = real.flatten().nonzero().flatten()
+        return self.storage.step(self.slots, [new_tokens - p for p in pad.tolist()])
 
     def nbytes(self) -> int:
         """Bytes of the pages in use and the windows of the open sequences, over all layers."""

@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 from transformers import GenerationConfig
 
+from ..cache.mixed import left_padding
 from ..errors import OscarError
 from ..transfer import to_device
 from .decode_attention import fused_decode_attention
@@ -265,12 +266,15 @@ def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto") -
 @torch.inference_mode()
 def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                     pad_token_id: int | None = None, graphs: bool | None = None,
-                    max_context: int | None = None, backend: str = "auto") -> torch.Tensor:
+                    max_context: int | None = None, backend: str = "auto",
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy generation through the static decode path; returns [B, prompt + new] like `generate`.
 
     Rows stop at an EOS token (later positions become pad_token_id) and generation ends when every
     row has stopped, as transformers' greedy search does. max_context: the cache's length
     (default: prompt + max_new_tokens). backend: the cache's kernels ("auto": Triton on CUDA).
+    attention_mask [B, prompt]: left padding only; each padded row's prompt is read without its padding
+    (one forward per row), and the rows then decode together from their own lengths.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise OscarError(f"input_ids must be [batch, prompt tokens] with a non-empty prompt, got "
@@ -283,9 +287,18 @@ def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
     if limit and n + max_new_tokens > limit:
         raise OscarError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions; "
                          "shorten the prompt or ask for fewer tokens.")
+    if attention_mask is not None and tuple(attention_mask.shape) != (b, n):
+        raise OscarError(f"attention_mask must be [{b}, {n}] like input_ids, got {tuple(attention_mask.shape)}.")
+    pad = [0] * b if attention_mask is None else left_padding(attention_mask).tolist()
+    if max(pad) >= n:
+        raise OscarError("a row of the batch is all padding; give every row at least one token.")
     cache = slot_cache_for(model, b, context, backend)
-    slots = [cache.open(n + max_new_tokens) for _ in range(b)]
-    first = forward_slots(model, cache, slots, input_ids).argmax(dim=-1)
+    slots = [cache.open(n - p + max_new_tokens) for p in pad]
+    if any(pad):
+        first = torch.cat([forward_slots(model, cache, [slot], input_ids[i:i + 1, p:])
+                           for i, (slot, p) in enumerate(zip(slots, pad))]).argmax(dim=-1)
+    else:
+        first = forward_slots(model, cache, slots, input_ids).argmax(dim=-1)
     rest = StaticDecoder(model, cache, graphs).decode(slots, first, max_new_tokens - 1)
     new = torch.cat([first[:, None], rest], dim=1)
     return torch.cat([input_ids, stop_at_eos(new, eos_token_id, pad_token_id)], dim=1)
@@ -311,7 +324,7 @@ def stop_at_eos(new: torch.Tensor, eos_token_id, pad_token_id: int | None) -> to
 def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
     """The arguments of `generate_static` for a generate() call it can serve exactly, else None.
 
-    It serves plain greedy decoding of an unpadded batch on CUDA with a cache the static path has
+    It serves plain greedy decoding of a batch (unpadded or left-padded) on CUDA with a cache the static path has
     (paged INT2/INT4, or BF16), when CacheConfig.static_decode is on."""
     state = getattr(model, "oscar", None)
     device = next(model.parameters()).device
@@ -323,8 +336,11 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         return None
     mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.bool().all()):
-        return None
+    if mask is not None:
+        try:
+            left_padding(mask)
+        except OscarError:  # transformers' loop then, whose cache names the problem
+            return None
     config = model.generation_config
     default = GenerationConfig()
     for name in _GREEDY_CHANGERS:
@@ -345,6 +361,6 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
                 return None
         except OscarError:
             return None
-    return dict(input_ids=input_ids, max_new_tokens=int(max_new),
+    return dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=int(max_new),
                 eos_token_id=kwargs.get("eos_token_id", config.eos_token_id),
                 pad_token_id=kwargs.get("pad_token_id", config.pad_token_id))
