@@ -51,7 +51,7 @@ def main() -> None:
         for c in configs:
             try:
                 gemv(x, w, out, *c)
-            except Exception as e:
+            except Exception:
                 continue
             err = (out.float() - ref.float().view(-1)).abs().max().item()
             t = _time_us(lambda: gemv(x, w, out, *c))

@@ -15,7 +15,6 @@ from oscarkv.calibration.artifact import RotationArtifact
 from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
 from oscarkv.errors import ArtifactError, InputTooLongError
 from oscarkv.evaluation.ppl import perplexity, window_nll
-from oscarkv.integrations.transformers import patch_model
 
 pytestmark = pytest.mark.model
 
