@@ -62,9 +62,27 @@ def _drain(engine, limit=2000):
     raise AssertionError("the engine did not go idle")
 
 
+def _capture_tokens(engine) -> dict[int, list[int]]:
+    """The tokens the engine accepts from now on, per request id (wraps `Engine._accept`)."""
+    captured = {}
+    original = engine._accept
+
+    def accept(seq, token, *rest):
+        captured.setdefault(seq.id, []).append(token)
+        original(seq, token, *rest)
+
+    engine._accept = accept
+    return captured
+
+
 def _reference_tokens(engine, prompt, n, chunk=None):
     """Greedy tokens for one sequence alone on a fresh cache of the same kind, its prompt read in
     chunks of `chunk` tokens (as the engine's chunked prefill does), then one token per forward."""
+    return _reference_run(engine, prompt, n, chunk)[0]
+
+
+def _reference_run(engine, prompt, n, chunk=None):
+    """`_reference_tokens` and the log-softmax of the logits [n, V] each token was chosen from."""
     model, state = engine.model, engine.model.oscar
     if isinstance(engine.cache, PagedSlotCache):
         cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, engine.config.max_context,
@@ -72,14 +90,15 @@ def _reference_tokens(engine, prompt, n, chunk=None):
     else:
         cache = state.new_cache("cpu")
     chunk = chunk or len(prompt)
-    tokens = []
+    tokens, logprobs = [], []
     with torch.no_grad():
         for start in range(0, len(prompt), chunk):
             logits = model(torch.tensor([prompt[start:start + chunk]]), past_key_values=cache).logits
         for _ in range(n):
             tokens.append(int(logits[0, -1].argmax()))
+            logprobs.append(torch.log_softmax(logits[0, -1].float(), dim=-1))
             logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits
-    return tokens
+    return tokens, torch.stack(logprobs)
 
 
 def test_batched_engine_equals_one_sequence_generate_across_page_flushes():
@@ -92,9 +111,7 @@ def test_batched_engine_equals_one_sequence_generate_across_page_flushes():
     for i, prompt in enumerate(prompts):
         tokens[i] = []
         engine.submit(prompt, SamplingParams(max_tokens=24), lambda e, i=i: tokens[i].append(e))
-    captured = {}
-    original = engine._accept
-    engine._accept = lambda seq, token: (captured.setdefault(seq.id, []).append(token), original(seq, token))
+    captured = _capture_tokens(engine)
     _drain(engine)
     for i, prompt in enumerate(prompts):
         assert tokens[i][-1].kind == "done" and tokens[i][-1].finish_reason == "length"
@@ -110,9 +127,7 @@ def test_dense_bf16_engine_equals_generate(chunk):
     engine = _tiny_engine(method="bf16", prefill_chunk=chunk)
     assert isinstance(engine.cache, DenseSlotCache)
     prompts = [_prompt(n, seed=n) for n in (9, 33)]
-    captured = {}
-    original = engine._accept
-    engine._accept = lambda seq, token: (captured.setdefault(seq.id, []).append(token), original(seq, token))
+    captured = _capture_tokens(engine)
     for prompt in prompts:
         engine.submit(prompt, SamplingParams(max_tokens=10), Collector())
     _drain(engine)
@@ -209,9 +224,7 @@ def test_warm_up_leaves_the_cache_empty_and_results_unchanged():
     assert _warm_up_chunks(engine) == [40, 40, EXTEND_TAIL_TOKENS]
     usage = engine.cache.usage()
     assert usage.slots_used == 0 and usage.pages_used == 0 and usage.pages_promised == 0
-    captured = {}
-    original = engine._accept
-    engine._accept = lambda seq, token: (captured.setdefault(seq.id, []).append(token), original(seq, token))
+    captured = _capture_tokens(engine)
     prompt = _prompt(90, 5)
     engine.submit(prompt, SamplingParams(max_tokens=8), Collector())
     _drain(engine)
@@ -239,6 +252,33 @@ def test_serve_warm_up_bar_follows_the_engine(capsys):
     engine = _tiny_engine(max_seqs=2, prefill_chunk=40)
     assert _warm_up_with_bar(engine)
     assert "5/5" in capsys.readouterr().err  # three chunks and two batch sizes, all shown done
+
+
+def test_logprobs_are_the_models_log_softmax_of_each_generated_token():
+    """Two requests decoded together, one asking for log-probabilities with 3 alternatives: its entries are the
+    tokens it generated, with the log-softmax of the logits each was chosen from (a reference forward alone),
+    their texts make up its text, and the other request gets none."""
+    engine = _tiny_engine(prefill_chunk=24)
+    prompt = _prompt(60, seed=7)
+    asked, plain = Collector(), Collector()
+    engine.submit(prompt, SamplingParams(max_tokens=6, logprobs=3), asked)
+    engine.submit(_prompt(20, seed=8), SamplingParams(max_tokens=6), plain)
+    _drain(engine)
+    entries = [entry for event in asked.events for entry in event.logprobs]
+    assert not any(event.logprobs for event in plain.events)
+    tokens, reference = _reference_run(engine, prompt, 6, chunk=24)
+    assert [e.token for e in entries] == tokens
+    assert "".join(e.text for e in entries) == "".join(event.text for event in asked.events)
+    for e, row in zip(entries, reference):
+        assert abs(e.logprob - float(row[e.token])) < 1e-4
+        best = row.topk(3)
+        assert [t for t, _, _ in e.top] == best.indices.tolist()
+        assert max(abs(p - float(q)) for (_, _, p), q in zip(e.top, best.values)) < 1e-4
+        assert [text for _, text, _ in e.top] == [engine.tokenizer.decode([t]) for t in best.indices.tolist()]
+    none = Collector()  # logprobs=0: the chosen token only
+    engine.submit(prompt, SamplingParams(max_tokens=2, logprobs=0), none)
+    _drain(engine)
+    assert [len(e.top) for event in none.events for e in event.logprobs] == [0, 0]
 
 
 def test_stop_strings_end_the_text_before_them():
@@ -330,6 +370,11 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": "x", "model": "gpt-4"}, 404, "not served here"),
     ({"prompt": "word " * 1100, "max_tokens": 4}, 400, "context of 1024"),
     ({"prompt": [1, 2, 10 ** 9]}, 400, "token ids"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ({"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty is not supported"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, needle):
     if isinstance(body, bytes):
@@ -338,6 +383,37 @@ def test_bad_requests_get_openai_errors(client, body, status, needle):
         r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
+
+
+@pytest_model
+def test_logprobs_in_openai_shapes(client):
+    """Completions' parallel lists and chat's content list, streamed and not; greedy, so each token is the
+    most likely one at its position."""
+    import json
+
+    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                             "temperature": 0, "logprobs": 2})
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"] and len(lp["token_logprobs"]) == 4
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) <= 2 and logprob <= 0 and abs(max(top.values()) - logprob) < 1e-5 and token in top
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say hi"}],
+                                                  "max_tokens": 3, "temperature": 0, "logprobs": True,
+                                                  "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and "".join(c["token"] for c in content) == r.json()["choices"][0]["message"]["content"]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+    assert all(abs(c["top_logprobs"][0]["logprob"] - c["logprob"]) < 1e-5 for c in content)
+    with client.stream("POST", "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                                         "temperature": 0, "logprobs": 2, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert sum((x["token_logprobs"] for x in streamed), []) == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    assert sum((x["text_offset"] for x in streamed), []) == lp["text_offset"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+    assert r.status_code == 400 and "logprobs: true" in r.json()["error"]["message"]
 
 
 @pytest_model

@@ -4,6 +4,11 @@ Endpoints: POST /v1/completions and /v1/chat/completions (with `"stream": true` 
 server-sent events, ending with `data: [DONE]`), GET /v1/models, /health and /metrics
 (Prometheus text: KV pages and bytes, slots, queue, request and token counters, process RSS).
 
+Log-probabilities: completions' `logprobs: N` and chat's `logprobs: true` with `top_logprobs: N` (N <= 20)
+report each generated token's log-probability under the model (before temperature and top_p) and the N most
+likely tokens at its position, in OpenAI's shapes, streamed or not. `echo`, `logit_bias` and the presence and
+frequency penalties are not done: a request that sets them gets a 400 naming the field.
+
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 body or a request the context cannot hold, 404 for another model name, 503 when the queue
 is full or the engine has stopped. A client that disconnects frees its slot at the next step.
@@ -23,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import Engine, Event, RequestRejected, SamplingParams
+from .engine import Engine, Event, RequestRejected, SamplingParams, TokenLogprob
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 
@@ -41,10 +46,38 @@ class _Body(BaseModel):
     seed: int | None = None
     stream_options: dict | None = None
     ignore_eos: bool = Field(False, description="vLLM's extension: generate max_tokens tokens regardless of EOS")
+    # Accepted only at their defaults: a request that sets them gets a 400 naming the field, not a silent no-op.
+    logit_bias: dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not do, or None."""
+        if self.logit_bias:
+            return "logit_bias"
+        if self.presence_penalty:
+            return "presence_penalty"
+        if self.frequency_penalty:
+            return "frequency_penalty"
+        return None
+
+    def logprobs_count(self) -> int | None:
+        """How many top alternatives to report per token (None: no log-probabilities)."""
+        return None
 
 
 class CompletionBody(_Body):
     prompt: str | list[int] = Field(..., description="text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of the tokens and of the N "
+                                                                "most likely ones at each position")
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1, description="one choice per request")
+
+    def unsupported(self) -> str | None:
+        return "echo" if self.echo else super().unsupported()
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -57,6 +90,11 @@ class ChatMessage(BaseModel):
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
@@ -131,11 +169,16 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         if body.model is not None and body.model != served_model:
             return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
                           "model_not_found", "model")
+        if (field := body.unsupported()) is not None:
+            return _error(400, f"{field} is not supported by this server; leave it out of the request.",
+                          "unsupported_parameter", field)
+        if chat and body.top_logprobs is not None and not body.logprobs:
+            return _error(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
         if not engine.alive:
             return _error(503, "the engine is not running; see /health.", "engine_down")
         stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
         params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
-                                body.ignore_eos)
+                                body.ignore_eos, body.logprobs_count())
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -150,11 +193,11 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         except RequestRejected as exc:
             return _error(exc.status, str(exc), exc.code)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        shape = _Shape(rid, served_model, chat)
+        shape = _Shape(rid, served_model, chat, params.logprobs is not None)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream(engine, seq, events, shape, usage), media_type="text/event-stream")
-        text, last = [], None
+        text, logprobs, last = [], [], None
         try:
             while True:
                 try:
@@ -167,23 +210,43 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
                 if event.kind == "error":
                     return _error(500, event.text, "generation_failed")
                 text.append(event.text)
+                logprobs += event.logprobs
                 if event.kind == "done":
                     last = event
                     break
         except asyncio.CancelledError:
             engine.cancel(seq)
             raise
-        return shape.full("".join(text), last)
+        return shape.full("".join(text), last, logprobs)
 
     return app
 
 
 class _Shape:
-    """OpenAI response objects for one request."""
+    """OpenAI response objects for one request. logprobs: the request asked for log-probabilities."""
 
-    def __init__(self, rid: str, model: str, chat: bool) -> None:
-        self.rid, self.model, self.chat = rid, model, chat
+    def __init__(self, rid: str, model: str, chat: bool, logprobs: bool = False) -> None:
+        self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
         self.created = int(time.time())
+        self.text_offset = 0  # completions: where the next token's text starts in the completion
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        """OpenAI's logprobs object of some generated tokens: chat's `content` list, or the completions
+        API's parallel lists (text_offset counts the token texts before each, from the completion's start)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            def item(text: str, logprob: float) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**item(e.text, e.logprob), "top_logprobs": [item(t, p) for _, t, p in e.top]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e.text)
+        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t: p for _, t, p in e.top} for e in entries], "text_offset": offsets}
 
     def _wrap(self, choice: dict, chunk: bool, usage: dict | None = None) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -197,19 +260,23 @@ class _Shape:
         return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
                 "total_tokens": event.prompt_tokens + event.completion_tokens}
 
-    def full(self, text: str, last: Event) -> dict:
+    def full(self, text: str, last: Event, logprobs: list[TokenLogprob]) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
         return self._wrap(choice, chunk=False, usage=self.usage(last))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs) if logprobs else None,
+                      "finish_reason": finish_reason}
         return self._wrap(choice, chunk=True)
 
 
@@ -226,10 +293,10 @@ async def _stream(engine: Engine, seq, events: asyncio.Queue, shape: _Shape, inc
                 yield sse({"error": {"message": event.text, "type": "server_error", "code": "generation_failed"}})
                 break
             if event.kind == "token":
-                yield sse(shape.chunk(event.text))
+                yield sse(shape.chunk(event.text, logprobs=event.logprobs))
                 continue
-            if event.text:
-                yield sse(shape.chunk(event.text))
+            if event.text or event.logprobs:
+                yield sse(shape.chunk(event.text, logprobs=event.logprobs))
             yield sse(shape.chunk(None, event.finish_reason))
             if include_usage:
                 yield sse({**shape._wrap({}, chunk=True), "choices": [], "usage": shape.usage(event)})

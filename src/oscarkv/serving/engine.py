@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,7 +49,8 @@ class RequestRejected(OscarError):
 @dataclass(frozen=True)
 class SamplingParams:
     """max_tokens: tokens to generate at most; temperature 0 is greedy; top_p in (0, 1];
-    ignore_eos: run to max_tokens (for benchmarks)."""
+    ignore_eos: run to max_tokens (for benchmarks); logprobs: None, or report each generated token's
+    log-probability and those of the `logprobs` most likely tokens at its position (`TokenLogprob`)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -57,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,16 +85,30 @@ class EngineConfig:
 # kernel's 32-row blocks) and fewer new tokens than `kernels.extend.EXTEND_MIN_TOKENS` (not dequantized).
 EXTEND_TAIL_TOKENS = 17
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its id, its text (decoded after the tokens before it), its log-probability
+    under the model (log-softmax of the logits, before temperature and top_p, as OpenAI and vLLM report),
+    and the `SamplingParams.logprobs` most likely (id, text, log-probability) at its position."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
 @dataclass
 class Event:
     """kind: "token" (text is the new text, maybe empty), "done" (finish_reason "stop" or "length"),
-    or "error" (text is the message)."""
+    or "error" (text is the message). logprobs: the generated tokens since the last event, where the
+    request asked for them (`SamplingParams.logprobs`)."""
 
     kind: str
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -114,6 +130,7 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     generator: torch.Generator | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
 
     @property
     def tokens_needed(self) -> int:
@@ -321,14 +338,35 @@ class Engine:
         seq.prefilled += len(chunk)
         self.counters.prompt_tokens += len(chunk)
         if not seq.reading_prompt:
-            self._accept(seq, self._sample(seq, logits[0]))
+            token = self._sample(seq, logits[0])
+            self._accept(seq, token, self._logprobs([seq], logits, [token])[0])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         slots, last = [s.slot for s in seqs], [s.generated[-1] for s in seqs]
         logits = self.graphs.logits(slots, last) if self.graphs else self._forward(slots, [[t] for t in last])
         greedy = logits.argmax(-1).tolist()  # one kernel and one sync for the batch, not one per request
-        for seq, row, best in zip(seqs, logits, greedy):
-            self._accept(seq, best if seq.params.temperature <= 0 else self._sample(seq, row))
+        tokens = [best if seq.params.temperature <= 0 else self._sample(seq, row)
+                  for seq, row, best in zip(seqs, logits, greedy)]
+        for seq, token, logprob in zip(seqs, tokens, self._logprobs(seqs, logits, tokens)):
+            self._accept(seq, token, logprob)
+
+    def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
+        """The chosen tokens' log-probabilities (and top alternatives) for the rows that asked for them: one
+        log-softmax and one copy to the host for all of them, nothing where no row asked."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        found: list[TokenLogprob | None] = [None] * len(seqs)
+        if not rows:
+            return found
+        logp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device))[:, 0].tolist()
+        k = max(seqs[i].params.logprobs for i in rows)
+        top_p, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+        top_p, top_ids = top_p.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            n = seqs[i].params.logprobs
+            top = tuple((t, self.tokenizer.decode([t]), p) for t, p in zip(top_ids[j][:n], top_p[j][:n]))
+            found[i] = TokenLogprob(tokens[i], "", chosen[j], top)  # text: set when accepted, after its context
+        return found
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
@@ -341,7 +379,7 @@ class Engine:
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    def _accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token, send its text, and end the request when it is done."""
         if seq.cancelled:
             return
@@ -350,6 +388,8 @@ class Engine:
             self._finish(seq, "stop", final_text=self._text(seq, final=True))
             return
         seq.generated.append(token)
+        if logprob is not None:
+            seq.logprobs.append(replace(logprob, text=self._token_text(seq.generated)))
         text = self._text(seq, final=len(seq.generated) >= seq.params.max_tokens)
         for stop in seq.params.stop:
             at = text.find(stop, max(0, seq.text_sent - len(stop)))
@@ -364,9 +404,21 @@ class Engine:
         ready = len(text) - hold
         while ready > seq.text_sent and text[ready - 1] == "\ufffd":
             ready -= 1
-        if ready > seq.text_sent:
-            seq.emit(Event("token", text[seq.text_sent:ready]))
-            seq.text_sent = ready
+        if ready > seq.text_sent or seq.logprobs:
+            seq.emit(Event("token", text[seq.text_sent:ready], logprobs=self._take_logprobs(seq)))
+            seq.text_sent = max(seq.text_sent, ready)
+
+    @staticmethod
+    def _take_logprobs(seq: Sequence) -> list[TokenLogprob]:
+        taken, seq.logprobs = seq.logprobs, []
+        return taken
+
+    def _token_text(self, tokens: list[int]) -> str:
+        """The text the last of `tokens` adds, decoded after a few tokens before it (so a leading space
+        comes out as in the full text; a character split over tokens shows as U+FFFD here)."""
+        context = tokens[-5:-1]
+        return self.tokenizer.decode(context + tokens[-1:], skip_special_tokens=True)[
+            len(self.tokenizer.decode(context, skip_special_tokens=True)):]
 
     def _text(self, seq: Sequence, final: bool = False) -> str:
         """The text of seq.generated so far, decoded incrementally: each call decodes the few tokens
@@ -387,7 +439,8 @@ class Engine:
         rest = final_text[seq.text_sent:] if len(final_text) > seq.text_sent else ""
         seq.finished = True
         self.counters.completed += 1
-        seq.emit(Event("done", rest.rstrip("\ufffd"), reason, len(seq.prompt_ids), len(seq.generated)))
+        seq.emit(Event("done", rest.rstrip("\ufffd"), reason, len(seq.prompt_ids), len(seq.generated),
+                       logprobs=self._take_logprobs(seq)))
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if not seq.finished and not seq.cancelled:
