@@ -281,6 +281,51 @@ def test_logprobs_are_the_models_log_softmax_of_each_generated_token():
     assert [len(e.top) for event in none.events for e in event.logprobs] == [0, 0]
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_sampled_tokens_follow_the_filtered_distribution(top_p):
+    """Evenly spread uniform numbers through the inverse distribution give each token its share of the
+    temperature-scaled, top_p-filtered probabilities (to within 1/N); no token outside the nucleus is drawn.
+    A second row with other settings in the same call keeps its own distribution."""
+    from oscarkv.serving.sampling import sample_tokens
+
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(1)) * 2
+    n = 20000
+    uniform = ((torch.arange(n) + 0.5) / n).tolist()
+    expected = torch.softmax(logits / 0.8, dim=-1)
+    ranked, order = expected.sort(descending=True)
+    kept = torch.zeros_like(expected).scatter_(0, order, ranked * (ranked.cumsum(0) - ranked < top_p))
+    expected = kept / kept.sum()
+    rows = torch.stack([logits, torch.zeros_like(logits)]).repeat_interleave(n, 0)
+    drawn = sample_tokens(rows, [0.8] * n + [1.0] * n, [top_p] * n + [1.0] * n, uniform * 2)
+    counts = torch.bincount(drawn[:n], minlength=40) / n
+    assert (counts - expected).abs().max() < 1e-3
+    assert counts[expected == 0].sum() == 0
+    flat = torch.bincount(drawn[n:], minlength=40) / n  # equal logits: every token 1/40
+    assert (flat - 1 / 40).abs().max() < 1e-3
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    """A request with a seed draws from its own generator: the same tokens alone and beside other requests
+    (greedy and sampled ones), other tokens with another seed, and greedy tokens as the temperature nears 0."""
+    engine = _tiny_engine()
+    prompt = _prompt(40, seed=11)
+
+    def run(params, others=()):
+        captured = _capture_tokens(engine)
+        first = engine.submit(prompt, params, Collector())
+        for other in others:
+            engine.submit(_prompt(25, seed=3), other, Collector())
+        _drain(engine)
+        return captured[first.id]
+
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=5)
+    alone = run(sampled)
+    assert run(sampled, [SamplingParams(max_tokens=12), SamplingParams(max_tokens=8, temperature=1.0)]) == alone
+    assert run(SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=6)) != alone
+    greedy = run(SamplingParams(max_tokens=12))
+    assert run(SamplingParams(max_tokens=12, temperature=1e-4, seed=1)) == greedy != alone
+
+
 def test_stop_strings_end_the_text_before_them():
     engine = _tiny_engine()
     free = Collector()

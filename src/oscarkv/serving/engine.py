@@ -33,6 +33,7 @@ import torch
 from ..errors import OscarError
 from ..integrations.static_decode import DecodeGraphs, forward_slots
 from ..transfer import to_device
+from .sampling import sample_tokens
 
 log = logging.getLogger("oscarkv.serving")
 
@@ -338,17 +339,28 @@ class Engine:
         seq.prefilled += len(chunk)
         self.counters.prompt_tokens += len(chunk)
         if not seq.reading_prompt:
-            token = self._sample(seq, logits[0])
+            token = self._choose([seq], logits)[0]
             self._accept(seq, token, self._logprobs([seq], logits, [token])[0])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         slots, last = [s.slot for s in seqs], [s.generated[-1] for s in seqs]
         logits = self.graphs.logits(slots, last) if self.graphs else self._forward(slots, [[t] for t in last])
-        greedy = logits.argmax(-1).tolist()  # one kernel and one sync for the batch, not one per request
-        tokens = [best if seq.params.temperature <= 0 else self._sample(seq, row)
-                  for seq, row, best in zip(seqs, logits, greedy)]
+        tokens = self._choose(seqs, logits)
         for seq, token, logprob in zip(seqs, tokens, self._logprobs(seqs, logits, tokens)):
             self._accept(seq, token, logprob)
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Each row's next token: greedy at temperature 0, else drawn with its temperature and top_p
+        (`sampling.sample_tokens`: the batch on the logits' device, one uniform number per request from its
+        own generator). One copy to the host for the batch."""
+        chosen = logits.argmax(-1)
+        rows = [i for i, seq in enumerate(seqs) if seq.params.temperature > 0]
+        if rows:
+            params = [seqs[i].params for i in rows]
+            uniform = [float(torch.rand(1, generator=seqs[i].generator)) for i in rows]
+            drawn = sample_tokens(logits[rows], [p.temperature for p in params], [p.top_p for p in params], uniform)
+            chosen[torch.tensor(rows, device=chosen.device)] = drawn
+        return chosen.tolist()
 
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
         """The chosen tokens' log-probabilities (and top alternatives) for the rows that asked for them: one
@@ -367,17 +379,6 @@ class Engine:
             top = tuple((t, self.tokenizer.decode([t]), p) for t, p in zip(top_ids[j][:n], top_p[j][:n]))
             found[i] = TokenLogprob(tokens[i], "", chosen[j], top)  # text: set when accepted, after its context
         return found
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        p = seq.params
-        if p.temperature <= 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.cpu() / p.temperature, dim=-1)
-        if p.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p  # always keeps the most likely token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token, send its text, and end the request when it is done."""

@@ -1,0 +1,33 @@
+"""Sampling the next token of many requests at once, on the logits' device.
+
+Each row has its own temperature and top_p and one uniform number u in [0, 1) drawn on the host from
+the request's own generator. The token is found by inverting the row's distribution at u: the tokens in
+order (most likely first when top_p filters), their cumulative probabilities, and the first one whose
+cumulative probability passes u times the total. So a request with a seed gets the same tokens whatever
+else shares its batch, and the whole batch costs a few device operations, not a copy of every row's
+logits to the host and a softmax, sort and draw there per request (about 10-35 ms per request and step on
+a CPU at a 152K vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float],
+                  uniform: list[float]) -> torch.Tensor:
+    """logits [B, V] -> long [B]: row i drawn from softmax(logits_i / temperature_i), keeping only the
+    smallest set of most likely tokens whose probabilities reach top_p_i (the most likely token always
+    stays), at the uniform number uniform_i. Temperatures must be > 0 and top_p in (0, 1]."""
+    device = logits.device
+    scale = torch.tensor(temperature, dtype=torch.float32, device=device)[:, None]
+    probs = torch.softmax(logits.float() / scale, dim=-1)
+    order = None
+    if any(p < 1 for p in top_p):
+        probs, order = probs.sort(dim=-1, descending=True)
+        limit = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
+        probs = probs * (probs.cumsum(dim=-1) - probs < limit)  # the mass before a token is below top_p
+    cdf = probs.cumsum(dim=-1)
+    target = torch.tensor(uniform, dtype=torch.float32, device=device)[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
+    return (index if order is None else order.gather(1, index))[:, 0]
