@@ -2,9 +2,10 @@
 # A/B of `oscarkv serve` with the INT2 cache (method hadamard) between two source trees on one machine:
 # old, new, old again (if time allows), each a fresh server with scripts/serve_throughput.sh's settings.
 # Machine-to-machine spread is larger than most code changes, so compare runs of one call only.
+# The load client is always the new tree's; BENCH_ARGS adds options to it (e.g. "--temperature 0.7 --top-p 0.9").
 # Usage (GPU machine, fastapi/uvicorn importable, `oscarkv` on PATH running `python3 -m oscarkv.cli`):
 #   mkdir old && git archive REV src | tar -x -C old
-#   scripts/serve_ab.sh OUT_DIR old/src src [CLIENTS] [PROMPT_TOKENS] [MAX_TOKENS]
+#   [BENCH_ARGS=...] scripts/serve_ab.sh OUT_DIR old/src src [CLIENTS] [PROMPT_TOKENS] [MAX_TOKENS]
 set -uo pipefail
 out=${1:?output directory}; old=$(realpath "${2:?old src directory}"); new=$(realpath "${3:?new src directory}")
 clients=${4:-32}; prompt=${5:-8192}; gen=${6:-384}
@@ -20,8 +21,8 @@ one() {  # label src
     sleep 1
   done
   echo "$1: server ready after $((SECONDS - t0)) s"
-  PYTHONPATH=$base$2 oscarkv bench serve --url "http://127.0.0.1:$port" --clients "$clients" \
-    --prompt-tokens "$prompt" --max-tokens "$gen" --vocab 151936 --json > "$out/serve-$1.json"
+  PYTHONPATH=$base$new oscarkv bench serve --url "http://127.0.0.1:$port" --clients "$clients" \
+    --prompt-tokens "$prompt" --max-tokens "$gen" --vocab 151936 ${BENCH_ARGS:-} --json > "$out/serve-$1.json"
   python3 -c "import json; d = json.load(open('$out/serve-$1.json')); print('$1: prompts read in', \
 round(d['all_started_s'], 2), 's, decode', round(d['decode_tokens_per_s']), 'tokens/s')"
   kill $server; wait $server 2> /dev/null

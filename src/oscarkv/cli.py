@@ -480,7 +480,8 @@ def _bench_serve(args) -> int:
         from .serving.loadtest import measure_throughput
 
         result = asyncio.run(measure_throughput(args.url.rstrip("/"), args.clients, args.prompt_tokens,
-                                                args.max_tokens, args.vocab))
+                                                args.max_tokens, args.vocab, temperature=args.temperature,
+                                                top_p=args.top_p))
         print(json.dumps(result.to_dict(), indent=2) if args.json else
               f"{result.clients} requests of {result.prompt_tokens} prompt tokens running together: "
               f"{result.decode_tokens_per_s:.0f} generated tokens/s over {result.window_s:.1f} s "
@@ -626,6 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="throughput mode: --clients requests of this many random token ids sent at once; "
                         "prints the decode tokens/s while all of them run")
     b.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (throughput mode)")
+    b.add_argument("--temperature", type=float, default=0.0, help="throughput mode: 0 is greedy, else sampled")
+    b.add_argument("--top-p", type=float, default=1.0, help="throughput mode: top_p of sampled requests")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_serve)
 
