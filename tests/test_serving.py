@@ -281,11 +281,12 @@ def test_logprobs_are_the_models_log_softmax_of_each_generated_token():
     assert [len(e.top) for event in none.events for e in event.logprobs] == [0, 0]
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.7])
-def test_sampled_tokens_follow_the_filtered_distribution(top_p):
+@pytest.mark.parametrize("top_p, candidates", [(1.0, 1024), (0.7, 1024), (0.7, 3), (0.7, 1)])
+def test_sampled_tokens_follow_the_filtered_distribution(top_p, candidates):
     """Evenly spread uniform numbers through the inverse distribution give each token its share of the
     temperature-scaled, top_p-filtered probabilities (to within 1/N); no token outside the nucleus is drawn.
-    A second row with other settings in the same call keeps its own distribution."""
+    A second row with other settings in the same call keeps its own distribution. candidates: the most likely
+    tokens top_p ranks first (3 hold the nucleus here, 1 does not: the whole vocabulary is sorted)."""
     from oscarkv.serving.sampling import sample_tokens
 
     logits = torch.randn(40, generator=torch.Generator().manual_seed(1)) * 2
@@ -296,12 +297,14 @@ def test_sampled_tokens_follow_the_filtered_distribution(top_p):
     kept = torch.zeros_like(expected).scatter_(0, order, ranked * (ranked.cumsum(0) - ranked < top_p))
     expected = kept / kept.sum()
     rows = torch.stack([logits, torch.zeros_like(logits)]).repeat_interleave(n, 0)
-    drawn = sample_tokens(rows, [0.8] * n + [1.0] * n, [top_p] * n + [1.0] * n, uniform * 2)
+    drawn = sample_tokens(rows, [0.8] * n + [1.0] * n, [top_p] * n + [1.0] * n, uniform * 2, candidates)
     counts = torch.bincount(drawn[:n], minlength=40) / n
     assert (counts - expected).abs().max() < 1e-3
     assert counts[expected == 0].sum() == 0
     flat = torch.bincount(drawn[n:], minlength=40) / n  # equal logits: every token 1/40
     assert (flat - 1 / 40).abs().max() < 1e-3
+    drawn = sample_tokens(rows[:n], [0.8] * n, [top_p] * n, uniform, candidates)  # no unfiltered row beside it
+    assert (torch.bincount(drawn, minlength=40) / n - expected).abs().max() < 1e-3
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():
