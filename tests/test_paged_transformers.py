@@ -158,9 +158,11 @@ def test_auto_uses_reference_cache_on_cpu():
 
 def _greedy_steps(model, ids, mask, steps):
     """Prefill and `steps` greedy decode steps through one paged cache, positions as generate() gives
-    them; returns the logits of every forward, concatenated along the tokens."""
-    cache = model.oscar.new_cache(DEVICE)
-    assert isinstance(cache, PagedOscarCache)
+    them; returns the logits of every forward, concatenated along the tokens. On a CPU the cache runs the
+    kernels' torch references (the kernels are tested against them; the interpreter takes a minute here)."""
+    state = model.oscar
+    cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 256,
+                            backend="auto" if DEVICE == "cuda" else "torch")
     logits = []
     for _ in range(steps + 1):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
