@@ -416,8 +416,10 @@ def _warm_up_with_bar(engine) -> bool:
               leave=False, mininterval=0) as bar:  # a step takes a second or more: draw each one
         def show(done: int, total: int) -> None:
             bar.total = total
-            bar.update(done - bar.n)
-            bar.refresh()
+            if done == bar.n:
+                bar.refresh()  # the first report: show the total
+            else:
+                bar.update(done - bar.n)
 
         return engine.warm_up(progress=show)
 
