@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from oscarkv.serving.sampling import sample_tokens
+from oscarkv.sampling import sample_tokens
 
 
 def per_call_ms(fn, repeats: int = 20) -> float:

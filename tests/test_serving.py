@@ -287,7 +287,7 @@ def test_sampled_tokens_follow_the_filtered_distribution(top_p, candidates):
     temperature-scaled, top_p-filtered probabilities (to within 1/N); no token outside the nucleus is drawn.
     A second row with other settings in the same call keeps its own distribution. candidates: the most likely
     tokens top_p ranks first (3 hold the nucleus here, 1 does not: the whole vocabulary is sorted)."""
-    from oscarkv.serving.sampling import sample_tokens
+    from oscarkv.sampling import sample_tokens
 
     logits = torch.randn(40, generator=torch.Generator().manual_seed(1)) * 2
     n = 20000

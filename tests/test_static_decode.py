@@ -14,8 +14,10 @@ from oscarkv import CacheConfig
 from oscarkv.errors import OscarError
 from oscarkv.integrations.paged import PagedOscarCache
 from oscarkv.integrations.slots import DenseSlotCache, SlotError
-from oscarkv.integrations.static_decode import (StaticDecoder, forward_slots, generate_static, slot_cache_for,
-                                                static_generate_arguments, stop_at_eos)
+from oscarkv.integrations.static_decode import (StaticDecoder, _sampling, forward_slots, generate_static,
+                                                slot_cache_for, static_generate_arguments, stop_at_eos)
+from oscarkv.sampling import Sampling
+from transformers import GenerationConfig
 from oscarkv.kernels.ops import triton_available
 from test_transformers_cache import _ids, _random_artifact
 from tiny_models import tiny_model
@@ -136,13 +138,61 @@ def test_generate_routes_only_plain_greedy_calls_on_cuda():
         assert arguments is None  # transformers' loop on the CPU
         return
     assert arguments["max_new_tokens"] == 4 and arguments["input_ids"] is ids
-    for extra in ({"do_sample": True}, {"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()},
+    sampled = static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "do_sample": True, "top_p": 0.9})
+    assert sampled["sampling"] == Sampling(1.0, 50, 0.9)  # transformers' defaults where the call sets nothing
+    for extra in ({"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()}, {"min_p": 0.1},
                   {"attention_mask": torch.cat([torch.ones_like(ids[:, :1]), torch.zeros_like(ids[:, 1:])], 1)}):
         assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4, **extra}) is None
     left_padded = torch.cat([torch.zeros_like(ids[:, :3]), torch.ones_like(ids[:, 3:])], 1)
     assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "attention_mask": left_padded}) is not None
     model.oscar.cache = CacheConfig(kernel="paged", static_decode=False, **PAGED)
     assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4}) is None
+
+
+def test_sampling_settings_come_from_the_call_then_the_config():
+    config = GenerationConfig(temperature=0.6, top_k=20)
+    assert _sampling(config, {"top_p": 0.8}) == Sampling(0.6, 20, 0.8)
+    assert _sampling(config, {"temperature": 1.3, "top_k": 0}) == Sampling(1.3, 0, 1.0)
+    assert _sampling(GenerationConfig(), {}) == Sampling(1.0, 50, 1.0)
+    assert _sampling(GenerationConfig(typical_p=0.5), {}) is None  # a filter the static path does not apply
+    assert _sampling(GenerationConfig(), {"temperature": 0.0}) is None  # transformers' loop names the problem
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (6, 1.0), (0, 0.8), (6, 0.8)])
+def test_sampling_draws_from_transformers_filtered_distribution(top_k, top_p):
+    """Sampling.choose on 40,000 copies of one row: token frequencies match the softmax of the logits after
+    transformers' own temperature, top_k and top_p warpers, within 4 standard errors; filtered tokens never come."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(2)) * 2
+    warped = TemperatureLogitsWarper(0.8)(None, logits)
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = torch.softmax(warped, dim=-1)[0]
+    n = 40000
+    torch.manual_seed(0)
+    drawn = Sampling(0.8, top_k, top_p).choose(logits.expand(n, -1).to(DEVICE))[:, 0].cpu()
+    counts = torch.bincount(drawn, minlength=40) / n
+    assert ((counts - expected).abs() <= 4 * (expected * (1 - expected) / n).sqrt() + 1e-4).all()
+    assert counts[expected == 0].sum() == 0
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+def test_sampled_static_generation_is_seeded_and_top_k_1_is_greedy(graphs):
+    model = _model("oscar")
+    ids = _ids(50, batch=2).to(DEVICE)
+    greedy = generate_static(model, ids, 12, graphs=graphs, backend=PAGED_BACKEND)
+    assert torch.equal(generate_static(model, ids, 12, graphs=graphs, backend=PAGED_BACKEND,
+                                       sampling=Sampling(top_k=1)), greedy)
+    hot = Sampling(temperature=1.5)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(generate_static(model, ids, 12, graphs=graphs, backend=PAGED_BACKEND, sampling=hot))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2]) and not torch.equal(runs[0], greedy)
 
 
 def test_generate_static_refuses_bad_requests():

@@ -29,6 +29,7 @@ from transformers import GenerationConfig
 
 from ..cache.mixed import left_padding
 from ..errors import OscarError
+from ..sampling import Sampling
 from ..transfer import to_device
 from .decode_attention import fused_decode_attention
 from .fused_ops import compiled_small_ops
@@ -50,7 +51,11 @@ _GREEDY_CHANGERS = ("num_beams", "repetition_penalty", "no_repeat_ngram_size", "
                     "prompt_lookup_num_tokens", "assistant_early_exit", "low_memory", "diversity_penalty")
 # Keyword arguments of generate() that the static path handles itself.
 _STATIC_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
-                  "use_cache"}
+                  "use_cache", "temperature", "top_k", "top_p"}
+# Sampling settings the static path does not apply (it takes temperature, top_k and top_p): with any of them
+# set, generate(do_sample=True) keeps transformers' loop.
+_SAMPLING_CHANGERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' own, where nothing sets them
 
 
 def _cuda_step_option(model, name: str) -> bool:
@@ -101,7 +106,8 @@ class StaticDecoder:
     same static buffers, which is what the CPU tests check against the step-by-step path.
     """
 
-    def __init__(self, model, cache: SlotCache, graphs: bool | None = None, warmup_steps: int = 2) -> None:
+    def __init__(self, model, cache: SlotCache, graphs: bool | None = None, warmup_steps: int = 2,
+                 sampling: Sampling | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
@@ -109,6 +115,7 @@ class StaticDecoder:
         if self.graphs and self.device.type != "cuda":
             raise OscarError(f"CUDA graphs need a CUDA model; this one is on {self.device} (use graphs=False).")
         self.warmup_steps = max(1, warmup_steps)
+        self.pick = next_tokens(sampling)
         self.replay_timing: tuple[int, float] | None = None  # (steps, seconds) of the last graph replays
 
     @torch.inference_mode()
@@ -151,7 +158,7 @@ class StaticDecoder:
     def _step(self, buf: _StepBuffers) -> None:
         logits = self.model(input_ids=buf.ids, position_ids=buf.positions, **{cache_keyword(self.model): self.cache},
                             use_cache=True, logits_to_keep=1).logits
-        chosen = logits[:, -1].argmax(dim=-1, keepdim=True)
+        chosen = self.pick(logits[:, -1])
         buf.tokens.index_copy_(1, buf.counter, chosen)
         buf.ids.copy_(chosen)
         buf.positions.add_(1)
@@ -264,11 +271,17 @@ def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto") -
 
 
 @torch.inference_mode()
+def next_tokens(sampling: Sampling | None):
+    """logits [B, V] -> tokens [B, 1]: greedy (None), or drawn by `sampling` (on the device, no synchronisation)."""
+    return (lambda logits: logits.argmax(dim=-1, keepdim=True)) if sampling is None else sampling.choose
+
+
 def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                     pad_token_id: int | None = None, graphs: bool | None = None,
                     max_context: int | None = None, backend: str = "auto",
-                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Greedy generation through the static decode path; returns [B, prompt + new] like `generate`.
+                    attention_mask: torch.Tensor | None = None, sampling: Sampling | None = None) -> torch.Tensor:
+    """Greedy generation through the static decode path (or sampled, with `sampling`); returns
+    [B, prompt + new] like `generate`.
 
     Rows stop at an EOS token (later positions become pad_token_id) and generation ends when every
     row has stopped, as transformers' greedy search does. max_context: the cache's length
@@ -295,11 +308,12 @@ def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
     cache = slot_cache_for(model, b, context, backend)
     slots = [cache.open(n - p + max_new_tokens) for p in pad]
     if any(pad):
-        first = torch.cat([forward_slots(model, cache, [slot], input_ids[i:i + 1, p:])
-                           for i, (slot, p) in enumerate(zip(slots, pad))]).argmax(dim=-1)
+        logits = torch.cat([forward_slots(model, cache, [slot], input_ids[i:i + 1, p:])
+                            for i, (slot, p) in enumerate(zip(slots, pad))])
     else:
-        first = forward_slots(model, cache, slots, input_ids).argmax(dim=-1)
-    rest = StaticDecoder(model, cache, graphs).decode(slots, first, max_new_tokens - 1)
+        logits = forward_slots(model, cache, slots, input_ids)
+    first = next_tokens(sampling)(logits)[:, 0]
+    rest = StaticDecoder(model, cache, graphs, sampling=sampling).decode(slots, first, max_new_tokens - 1)
     new = torch.cat([first[:, None], rest], dim=1)
     return torch.cat([input_ids, stop_at_eos(new, eos_token_id, pad_token_id)], dim=1)
 
@@ -321,10 +335,26 @@ def stop_at_eos(new: torch.Tensor, eos_token_id, pad_token_id: int | None) -> to
     return new
 
 
+def _sampling(config: GenerationConfig, kwargs: dict) -> Sampling | None:
+    """The `Sampling` of a generate(do_sample=True) call, or None where it sets what the static path does not
+    apply (or values transformers refuses: its loop then says so)."""
+    if any(getattr(config, name, None) not in (None, default) for name, default in _SAMPLING_CHANGERS.items()):
+        return None
+    settings = {}
+    for name, default in _SAMPLING_DEFAULTS.items():  # the call's, else the model's config, else transformers'
+        given = (kwargs.get(name), getattr(config, name, None), default)
+        settings[name] = next(value for value in given if value is not None)
+    try:
+        return Sampling(float(settings["temperature"]), int(settings["top_k"]), float(settings["top_p"]))
+    except (OscarError, TypeError, ValueError):
+        return None
+
+
 def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
     """The arguments of `generate_static` for a generate() call it can serve exactly, else None.
 
-    It serves plain greedy decoding of a batch (unpadded or left-padded) on CUDA with a cache the static path has
+    It serves plain greedy decoding, or sampling with temperature, top_k and top_p only, of a batch (unpadded or
+    left-padded) on CUDA with a cache the static path has
     (paged INT2/INT4, or BF16), when CacheConfig.static_decode is on."""
     state = getattr(model, "oscar", None)
     device = next(model.parameters()).device
@@ -347,8 +377,11 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
         value = getattr(config, name, None)
         if value not in (None, False, getattr(default, name, None)):
             return None
+    sampling = None
     if kwargs.get("do_sample", config.do_sample):
-        return None
+        sampling = _sampling(config, kwargs)
+        if sampling is None:
+            return None
     max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
     if max_new is None:
         return None
@@ -361,6 +394,6 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
                 return None
         except OscarError:
             return None
-    return dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=int(max_new),
+    return dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=int(max_new), sampling=sampling,
                 eos_token_id=kwargs.get("eos_token_id", config.eos_token_id),
                 pad_token_id=kwargs.get("pad_token_id", config.pad_token_id))

@@ -33,7 +33,7 @@ import torch
 from ..errors import OscarError
 from ..integrations.static_decode import DecodeGraphs, forward_slots
 from ..transfer import to_device
-from .sampling import sample_tokens
+from ..sampling import sample_tokens
 
 log = logging.getLogger("oscarkv.serving")
 
