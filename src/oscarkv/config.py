@@ -88,8 +88,8 @@ class CacheConfig:
     history_format: "int" (INT2/INT4 codes per group with fp16 scale and zero: OSCAR and the INT
         baselines) or "turboquant3" (vLLM's turboquant_3bit_nc codec, `oscarkv.quant.turboquant`;
         reference cache only).
-    static_decode: on CUDA, a patched model's `generate` runs plain greedy decoding of an unpadded or
-        left-padded batch through the static decode path (one CUDA graph per step; see
+    static_decode: on CUDA, a patched model's `generate` runs plain greedy or sampled (temperature, top_k,
+        top_p) decoding of an unpadded or left-padded batch through the static decode path (one CUDA graph per step; see
         `oscarkv.integrations.static_decode`); False keeps transformers' own loop.
     compile_small_ops: the static decode path (CUDA) runs the model's norms, MLPs and rotary
         embedding compiled by torch.compile, a few fused kernels instead of about forty small
