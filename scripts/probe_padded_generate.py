@@ -79,7 +79,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; left-padded batch of {len(lengths)}: {lengths}")
     for name in args.paths.split(","):
-        new = args.reference_new if name in ("int2 reference", "int2 loop") else args.new
+        new = args.reference_new if name == "int2 reference" else args.new
         print(json.dumps(run_path(name, lengths, new, args.sample)), flush=True)
         torch.cuda.empty_cache()  # the path's model is gone with its call
 
