@@ -10,18 +10,13 @@ set -uo pipefail
 out=${1:?output directory}; old=$(realpath "${2:?old src directory}"); new=$(realpath "${3:?new src directory}")
 clients=${4:-32}; prompt=${5:-8192}; gen=${6:-384}
 mkdir -p "$out"; start=$SECONDS; base=${PYTHONPATH:+$PYTHONPATH:}
+source "$(dirname "$0")/serve_common.sh"
 one() {  # label src
-  port=8100; t0=$SECONDS
-  PYTHONPATH=$base$2 oscarkv serve random:qwen3-4b --method hadamard --max-seqs "$clients" \
-    --max-context $((prompt + gen + 64)) --prefill-chunk 2048 --port $port > "$out/server-$1.log" 2>&1 &
-  server=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
-    kill -0 $server 2> /dev/null || { cat "$out/server-$1.log"; exit 1; }
-    sleep 1
-  done
+  t0=$SECONDS
+  PYTHONPATH=$base$2 start_server "$out/server-$1.log" random:qwen3-4b --method hadamard --max-seqs "$clients" \
+    --max-context $((prompt + gen + 64)) --prefill-chunk 2048
   echo "$1: server ready after $((SECONDS - t0)) s"
-  PYTHONPATH=$base$new oscarkv bench serve --url "http://127.0.0.1:$port" --clients "$clients" \
+  PYTHONPATH=$base$new oscarkv bench serve --url "http://127.0.0.1:8100" --clients "$clients" \
     --prompt-tokens "$prompt" --max-tokens "$gen" --vocab 151936 ${BENCH_ARGS:-} --json > "$out/serve-$1.json"
   python3 -c "import json; d = json.load(open('$out/serve-$1.json')); print('$1: prompts read in', \
 round(d['all_started_s'], 2), 's, decode', round(d['decode_tokens_per_s']), 'tokens/s')"

@@ -8,17 +8,11 @@
 set -euo pipefail
 out=${1:?output directory}; clients=${2:-32}; prompt=${3:-8192}; gen=${4:-512}
 mkdir -p "$out"
+source "$(dirname "$0")/serve_common.sh"
 for method in bf16 hadamard; do
-  port=8100
-  oscarkv serve random:qwen3-4b --method "$method" --max-seqs "$clients" --max-context $((prompt + gen + 64)) \
-    --prefill-chunk 2048 --port $port > "$out/server-$method.log" 2>&1 &
-  server=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
-    kill -0 $server 2> /dev/null || { cat "$out/server-$method.log"; exit 1; }
-    sleep 1
-  done
-  oscarkv bench serve --url "http://127.0.0.1:$port" --clients "$clients" --prompt-tokens "$prompt" \
+  start_server "$out/server-$method.log" random:qwen3-4b --method "$method" --max-seqs "$clients" \
+    --max-context $((prompt + gen + 64)) --prefill-chunk 2048
+  oscarkv bench serve --url "http://127.0.0.1:8100" --clients "$clients" --prompt-tokens "$prompt" \
     --max-tokens "$gen" --vocab 151936 --json | tee "$out/serve-throughput-$method.json"
   kill $server; wait $server || true
 done

@@ -14,7 +14,7 @@ from oscarkv.cache.mixed import OscarCache
 from oscarkv.errors import OscarError
 from oscarkv.integrations.paged import PagedOscarCache
 from oscarkv.kernels.ops import triton_available
-from test_transformers_cache import _ids, _random_artifact
+from test_transformers_cache import _ids, _left_padded, _random_artifact
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -180,11 +180,9 @@ def test_paged_cache_takes_left_padded_batches(family):
     INT2 (sink 16, ring 32..47); Gemma3's sliding layers (window 24 in the tiny model) take the paged kernel
     already in the prompt."""
     model = _patched(family)
-    pad = 27
     a, b = _ids(97, seed=1).to(DEVICE), _ids(70, seed=2).to(DEVICE)
-    ids = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long, device=DEVICE), b], dim=1)])
-    mask = torch.ones_like(ids)
-    mask[1, :pad] = 0
+    ids, mask = _left_padded(a, b)
+    pad = a.shape[1] - b.shape[1]
     with torch.no_grad():
         batched = _greedy_steps(model, ids, mask, 3)
         alone_a = _greedy_steps(model, a, torch.ones_like(a), 3)

@@ -19,7 +19,7 @@ from oscarkv.integrations.static_decode import (StaticDecoder, _sampling, forwar
 from oscarkv.sampling import Sampling
 from transformers import GenerationConfig
 from oscarkv.kernels.ops import triton_available
-from test_transformers_cache import _ids, _random_artifact
+from test_transformers_cache import _ids, _left_padded, _random_artifact
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -108,11 +108,9 @@ def test_left_padded_static_generation_equals_each_row_alone(method):
     """Each padded row reads its prompt without the padding; the rows then decode together from different
     lengths (71 and 52 tokens: flushes at different steps) and give what each row gives alone."""
     model = _model(method)
-    pad = 19
     a, b = _ids(71, seed=3).to(DEVICE), _ids(52, seed=4).to(DEVICE)
-    ids = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long, device=DEVICE), b], dim=1)])
-    mask = torch.ones_like(ids)
-    mask[1, :pad] = 0
+    ids, mask = _left_padded(a, b)
+    pad = a.shape[1] - b.shape[1]
     backend = PAGED_BACKEND  # the dense cache's decode kernel too: the torch reference on a CPU
     batched = generate_static(model, ids, 25, attention_mask=mask, backend=backend)
     assert torch.equal(batched[0], generate_static(model, a, 25, backend=backend)[0])

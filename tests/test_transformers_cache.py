@@ -17,6 +17,15 @@ def _ids(n, batch=1, seed=0):
     return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+def _left_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows a [1, n] and b [1, m] (m < n) as one batch, b left-padded with zeros: (ids, attention mask)."""
+    pad = a.shape[1] - b.shape[1]
+    ids = torch.cat([a, torch.cat([torch.zeros_like(b[:, :1]).expand(1, pad), b], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
 def _random_rotation(d, seed):
     q, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
     return q.float()

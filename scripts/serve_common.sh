@@ -1,0 +1,14 @@
+# Sourced by the serving scripts. start_server LOG [oscarkv serve arguments...]: starts `oscarkv serve` on port
+# 8100 in the background (its output to LOG), sets $server to its pid, and returns once /health answers (exits,
+# showing LOG, if the server dies first).
+start_server() {
+  local log=$1; shift
+  oscarkv serve "$@" --port 8100 > "$log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:8100/health" > /dev/null && return 0
+    kill -0 "$server" 2> /dev/null || { cat "$log"; exit 1; }
+    sleep 1
+  done
+  echo "the server did not answer /health within 600 s"; cat "$log"; exit 1
+}
