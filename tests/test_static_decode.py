@@ -138,7 +138,10 @@ def test_generate_routes_only_plain_greedy_calls_on_cuda():
     assert arguments["max_new_tokens"] == 4 and arguments["input_ids"] is ids
     sampled = static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "do_sample": True, "top_p": 0.9})
     assert sampled["sampling"] == Sampling(1.0, 50, 0.9)  # transformers' defaults where the call sets nothing
-    for extra in ({"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()}, {"min_p": 0.1},
+    copies = static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "do_sample": True,
+                                                       "num_return_sequences": 3})
+    assert torch.equal(copies["input_ids"], ids.repeat_interleave(3, dim=0))
+    for extra in ({"num_return_sequences": 2}, {"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()}, {"min_p": 0.1},
                   {"attention_mask": torch.cat([torch.ones_like(ids[:, :1]), torch.zeros_like(ids[:, 1:])], 1)}):
         assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4, **extra}) is None
     left_padded = torch.cat([torch.zeros_like(ids[:, :3]), torch.ones_like(ids[:, 3:])], 1)
@@ -191,6 +194,22 @@ def test_sampled_static_generation_is_seeded_and_top_k_1_is_greedy(graphs):
         torch.manual_seed(seed)
         runs.append(generate_static(model, ids, 12, graphs=graphs, backend=PAGED_BACKEND, sampling=hot))
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2]) and not torch.equal(runs[0], greedy)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="generate() takes the static path on CUDA only")
+def test_sampled_generate_with_copies_runs_the_static_path():
+    """generate(do_sample=True, num_return_sequences=3) is the static path over the batch expanded as
+    transformers expands it: the same tokens as generate_static on the repeated rows, from the same seed."""
+    model = _model("oscar")
+    ids = _ids(30, batch=2).to(DEVICE)
+    settings = dict(do_sample=True, temperature=1.5, max_new_tokens=8, pad_token_id=0)
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_return_sequences=3, **settings)
+    torch.manual_seed(0)
+    expected = generate_static(model, ids.repeat_interleave(3, dim=0), 8, pad_token_id=0,
+                               sampling=Sampling(1.5, 50, 1.0))
+    assert torch.equal(out, expected) and out.shape == (6, 38)
+    assert len({tuple(row) for row in out[:3, 30:].tolist()}) > 1  # the copies of a prompt sample apart
 
 
 def test_generate_static_refuses_bad_requests():

@@ -44,14 +44,14 @@ SlotCache = PagedSlotCache | DenseSlotCache
 # transformers' loop when any of them differs from the default.
 _GREEDY_CHANGERS = ("num_beams", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
                     "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
-                    "begin_suppress_tokens", "sequence_bias", "stop_strings", "num_return_sequences",
+                    "begin_suppress_tokens", "sequence_bias", "stop_strings",
                     "exponential_decay_length_penalty", "encoder_repetition_penalty", "guidance_scale",
                     "output_scores", "output_logits", "return_dict_in_generate", "output_attentions",
                     "output_hidden_states", "max_time", "renormalize_logits", "watermarking_config",
                     "prompt_lookup_num_tokens", "assistant_early_exit", "low_memory", "diversity_penalty")
 # Keyword arguments of generate() that the static path handles itself.
 _STATIC_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
-                  "use_cache", "temperature", "top_k", "top_p"}
+                  "use_cache", "temperature", "top_k", "top_p", "num_return_sequences"}
 # Sampling settings the static path does not apply (it takes temperature, top_k and top_p): with any of them
 # set, generate(do_sample=True) keeps transformers' loop.
 _SAMPLING_CHANGERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
@@ -382,6 +382,12 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
         sampling = _sampling(config, kwargs)
         if sampling is None:
             return None
+    copies = kwargs.get("num_return_sequences", config.num_return_sequences) or 1
+    if copies > 1 and sampling is None:  # transformers' loop refuses it for greedy search, with its message
+        return None
+    if copies > 1:
+        input_ids = input_ids.repeat_interleave(copies, dim=0)  # as transformers expands the batch
+        mask = None if mask is None else mask.repeat_interleave(copies, dim=0)
     max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
     if max_new is None:
         return None
