@@ -414,7 +414,7 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"max_tokens": 3}, 400, "prompt"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "not served here"),
     ({"prompt": "word " * 1100, "max_tokens": 4}, 400, "context of 1024"),
     ({"prompt": [1, 2, 10 ** 9]}, 400, "token ids"),
@@ -462,6 +462,33 @@ def test_logprobs_in_openai_shapes(client):
     assert sum((x["text_offset"] for x in streamed), []) == lp["text_offset"]
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
     assert r.status_code == 400 and "logprobs: true" in r.json()["error"]["message"]
+
+
+@pytest_model
+def test_n_choices_streamed_and_not(client):
+    """n = 3 sampled choices: indices 0..2, the prompt counted once and every choice's tokens in the usage; with a
+    seed the request repeats exactly and its choices differ from each other. Streamed chat: each choice opens
+    with its role and ends with its finish reason."""
+    import json
+
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "n": 3, "seed": 11,
+            "ignore_eos": True}
+    first, again = (client.post("/v1/completions", json=body).json() for _ in range(2))
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2]
+    assert first["choices"] == again["choices"]
+    assert len({c["text"] for c in first["choices"]}) > 1
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert first["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 18, "total_tokens": prompt_tokens + 18}
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "temperature": 0.8,
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 8
 
 
 @pytest_model

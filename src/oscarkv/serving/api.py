@@ -21,6 +21,7 @@ import json
 import os
 import time
 import uuid
+from dataclasses import replace
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .engine import Engine, Event, RequestRejected, SamplingParams, TokenLogprob
 
 DEFAULT_CHAT_MAX_TOKENS = 256
+MAX_CHOICES = 16  # `n`: each choice is a sequence of its own (its prompt read again; no prefix sharing)
 
 
 class _Body(BaseModel):
@@ -40,7 +42,7 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per request, each generated as its own sequence")
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -71,7 +73,7 @@ class CompletionBody(_Body):
     logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of the tokens and of the N "
                                                                 "most likely ones at each position")
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=1, description="one choice per request")
+    best_of: int | None = Field(None, ge=1, le=1, description="not done: every choice is returned (n)")
 
     def unsupported(self) -> str | None:
         return "echo" if self.echo else super().unsupported()
@@ -180,57 +182,83 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
                                 body.ignore_eos, body.logprobs_count())
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def emit(event: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (shutdown)
-                pass
+        def emitter(index: int):
+            def emit(event: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                except RuntimeError:  # the event loop is gone (shutdown)
+                    pass
+            return emit
 
+        seqs = []
         try:
-            seq = engine.submit(prompt, params, emit)
+            for index in range(body.n):  # choice i with a seed draws from seed + i
+                seed = None if body.seed is None else body.seed + index
+                seqs.append(engine.submit(prompt, replace(params, seed=seed), emitter(index)))
         except RequestRejected as exc:
+            for seq in seqs:
+                engine.cancel(seq)
             return _error(exc.status, str(exc), exc.code)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        shape = _Shape(rid, served_model, chat, params.logprobs is not None)
+        shape = _Shape(rid, served_model, chat, params.logprobs is not None, len(prompt))
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(engine, seq, events, shape, usage), media_type="text/event-stream")
-        text, logprobs, last = [], [], None
+            return StreamingResponse(_stream(engine, seqs, events, shape, usage), media_type="text/event-stream")
+        choices = [_Choice() for _ in seqs]
         try:
-            while True:
+            while not all(choice.last for choice in choices):
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=1.0)
+                    index, event = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        engine.cancel(seq)
+                        _cancel(engine, seqs)
                         return _error(499, "client closed the request", "client_closed")
                     continue
                 if event.kind == "error":
+                    _cancel(engine, seqs)
                     return _error(500, event.text, "generation_failed")
-                text.append(event.text)
-                logprobs += event.logprobs
-                if event.kind == "done":
-                    last = event
-                    break
+                choices[index].add(event)
         except asyncio.CancelledError:
-            engine.cancel(seq)
+            _cancel(engine, seqs)
             raise
-        return shape.full("".join(text), last, logprobs)
+        return shape.full(choices)
 
     return app
+
+
+def _cancel(engine: Engine, seqs) -> None:
+    for seq in seqs:
+        if not seq.finished:
+            engine.cancel(seq)
+
+
+class _Choice:
+    """What one choice of a non-streamed request has received."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.last: Event | None = None
+
+    def add(self, event: Event) -> None:
+        self.text.append(event.text)
+        self.logprobs += event.logprobs
+        if event.kind == "done":
+            self.last = event
 
 
 class _Shape:
     """OpenAI response objects for one request. logprobs: the request asked for log-probabilities."""
 
-    def __init__(self, rid: str, model: str, chat: bool, logprobs: bool = False) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, logprobs: bool = False, prompt_tokens: int = 0) -> None:
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
+        self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
-        self.text_offset = 0  # completions: where the next token's text starts in the completion
+        self.text_offset: dict[int, int] = {}  # completions: where each choice's next token text starts
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+    def _logprobs(self, entries: list[TokenLogprob], index: int = 0) -> dict | None:
         """OpenAI's logprobs object of some generated tokens: chat's `content` list, or the completions
         API's parallel lists (text_offset counts the token texts before each, from the completion's start)."""
         if not self.logprobs:
@@ -243,68 +271,74 @@ class _Shape:
                                 for e in entries]}
         offsets = []
         for e in entries:
-            offsets.append(self.text_offset)
-            self.text_offset += len(e.text)
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(e.text)
         return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t: p for _, t, p in e.top} for e in entries], "text_offset": offsets}
 
-    def _wrap(self, choice: dict, chunk: bool, usage: dict | None = None) -> dict:
+    def _wrap(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        out = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+        out = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
         return out
 
-    @staticmethod
-    def usage(event: Event) -> dict:
-        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                "total_tokens": event.prompt_tokens + event.completion_tokens}
+    def usage(self, completion_tokens: int) -> dict:
+        """The prompt counted once, however many choices read it."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def full(self, text: str, last: Event, logprobs: list[TokenLogprob]) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
-        return self._wrap(choice, chunk=False, usage=self.usage(last))
+    def full(self, choices: list[_Choice]) -> dict:
+        out = []
+        for index, c in enumerate(choices):
+            text, reason = "".join(c.text), c.last.finish_reason
+            if self.chat:
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": self._logprobs(c.logprobs, index), "finish_reason": reason})
+            else:
+                out.append({"index": index, "text": text, "logprobs": self._logprobs(c.logprobs, index),
+                            "finish_reason": reason})
+        return self._wrap(out, chunk=False, usage=self.usage(sum(c.last.completion_tokens for c in choices)))
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              logprobs: list[TokenLogprob] | None = None) -> dict:
+              logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict:
+        entries = self._logprobs(logprobs, index) if logprobs else None
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": entries, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs) if logprobs else None,
-                      "finish_reason": finish_reason}
-        return self._wrap(choice, chunk=True)
+            choice = {"index": index, "text": text or "", "logprobs": entries, "finish_reason": finish_reason}
+        return self._wrap([choice], chunk=True)
 
 
-async def _stream(engine: Engine, seq, events: asyncio.Queue, shape: _Shape, include_usage: bool):
+async def _stream(engine: Engine, seqs, events: asyncio.Queue, shape: _Shape, include_usage: bool):
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     try:
         if shape.chat:
-            yield sse(shape.chunk("", first=True))
-        while True:
-            event = await events.get()
+            for index in range(len(seqs)):
+                yield sse(shape.chunk("", first=True, index=index))
+        open_choices, completion_tokens = len(seqs), 0
+        while open_choices:
+            index, event = await events.get()
             if event.kind == "error":
                 yield sse({"error": {"message": event.text, "type": "server_error", "code": "generation_failed"}})
                 break
             if event.kind == "token":
-                yield sse(shape.chunk(event.text, logprobs=event.logprobs))
+                yield sse(shape.chunk(event.text, logprobs=event.logprobs, index=index))
                 continue
             if event.text or event.logprobs:
-                yield sse(shape.chunk(event.text, logprobs=event.logprobs))
-            yield sse(shape.chunk(None, event.finish_reason))
+                yield sse(shape.chunk(event.text, logprobs=event.logprobs, index=index))
+            yield sse(shape.chunk(None, event.finish_reason, index=index))
+            open_choices -= 1
+            completion_tokens += event.completion_tokens
+        else:
             if include_usage:
-                yield sse({**shape._wrap({}, chunk=True), "choices": [], "usage": shape.usage(event)})
-            break
+                yield sse({**shape._wrap([], chunk=True), "usage": shape.usage(completion_tokens)})
         yield "data: [DONE]\n\n"
     finally:
-        if not seq.finished:
-            engine.cancel(seq)  # the client went away mid-stream
+        _cancel(engine, seqs)  # those not finished: the client went away mid-stream, or one choice failed
 
 
 def _metrics_text(engine: Engine) -> str:

@@ -90,7 +90,8 @@ PROBES = [
     ("temperature out of range", None, {"prompt": "x", "temperature": 9}),
     ("prompt missing", None, {"max_tokens": 4}),
     ("unknown model", None, {"prompt": "x", "model": "no-such-model"}),
-    ("n > 1", None, {"prompt": "x", "n": 3}),
+    ("n above the limit", None, {"prompt": "x", "n": 1000}),
+    ("a parameter the server does not do", None, {"prompt": "x", "echo": True}),
 ]
 
 
