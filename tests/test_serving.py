@@ -329,6 +329,36 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert run(SamplingParams(max_tokens=12, temperature=1e-4, seed=1)) == greedy != alone
 
 
+def test_logit_adjustments_follow_openais_formula():
+    from oscarkv.sampling import logit_adjustments
+
+    rows = [({3: 2, 9: 1}, 0.5, 0.25, {4: -100.0}), ({3: 4}, 0.0, 0.0, {}), ({}, 1.0, 1.0, {3: 7.0})]
+    assert logit_adjustments(rows) == ([0, 0, 0, 2], [3, 9, 4, 3], [-1.0, -0.75, -100.0, 7.0])
+
+
+def test_penalties_and_logit_bias_change_the_choice_not_the_logprobs():
+    """Greedy on the tiny model repeats token 58 eight times; presence or frequency penalties break the run, and
+    a bias of +100 forces its token. The reported log-probabilities stay the model's own (the forced token's
+    first one is the reference forward's log-softmax)."""
+    engine = _tiny_engine()
+    prompt = _prompt(30, seed=5)
+
+    def run(**settings):
+        events = Collector()
+        engine.submit(prompt, SamplingParams(max_tokens=12, logprobs=0, **settings), events)
+        _drain(engine)
+        return [entry for event in events.events for entry in event.logprobs]
+
+    plain = [e.token for e in run()]
+    assert plain.count(58) >= 6
+    for settings in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        penalized = [e.token for e in run(**settings)]
+        assert penalized[:3] == plain[:3] and penalized.count(58) == 1, settings
+    forced = run(logit_bias=((7, 100.0),))
+    assert [e.token for e in forced] == [7] * 12
+    assert abs(forced[0].logprob - float(_reference_run(engine, prompt, 1)[1][0, 7])) < 1e-4
+
+
 def test_stop_strings_end_the_text_before_them():
     engine = _tiny_engine()
     free = Collector()
@@ -420,9 +450,10 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": [1, 2, 10 ** 9]}, 400, "token ids"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
-    ({"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty is not supported"),
+    ({"prompt": "x", "logit_bias": {"word": 10}}, 400, "not a token id"),
+    ({"prompt": "x", "logit_bias": {"5": 150}}, 400, "outside [-100, 100]"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, needle):
     if isinstance(body, bytes):

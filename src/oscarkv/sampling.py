@@ -45,6 +45,26 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
     return _draw(probs, order, target)[:, 0]
 
 
+def logit_adjustments(rows: list[tuple[dict[int, int], float, float, dict[int, float]]]
+                      ) -> tuple[list[int], list[int], list[float]]:
+    """OpenAI's penalties and logit_bias as sparse additions to a batch's logits: for row i with
+    (counts of the tokens it generated, presence_penalty, frequency_penalty, logit_bias), each generated token t
+    gets -(presence + frequency * count_t) and each biased token its bias. Returns (rows, token ids, values),
+    the form `torch.Tensor.index_put_(..., accumulate=True)` takes."""
+    at, tokens, values = [], [], []
+    for i, (counts, presence, frequency, bias) in enumerate(rows):
+        if presence or frequency:
+            for token, count in counts.items():
+                at.append(i)
+                tokens.append(token)
+                values.append(-(presence + frequency * count))
+        for token, value in bias.items():
+            at.append(i)
+            tokens.append(token)
+            values.append(value)
+    return at, tokens, values
+
+
 def _nucleus(ranked: torch.Tensor, top_p) -> torch.Tensor:
     """Probabilities ranked most likely first, zero after the smallest prefix that reaches top_p: a token stays
     while the mass before it is below top_p (so the most likely one always does)."""

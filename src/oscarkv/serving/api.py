@@ -6,8 +6,9 @@ server-sent events, ending with `data: [DONE]`), GET /v1/models, /health and /me
 
 Log-probabilities: completions' `logprobs: N` and chat's `logprobs: true` with `top_logprobs: N` (N <= 20)
 report each generated token's log-probability under the model (before temperature and top_p) and the N most
-likely tokens at its position, in OpenAI's shapes, streamed or not. `echo`, `logit_bias` and the presence and
-frequency penalties are not done: a request that sets them gets a 400 naming the field.
+likely tokens at its position, in OpenAI's shapes, streamed or not. `presence_penalty`, `frequency_penalty`
+(over the tokens generated so far) and `logit_bias` are added to the logits before a token is chosen. `echo`
+is not done: a request that sets it gets a 400 naming the field.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 body or a request the context cannot hold, 404 for another model name, 503 when the queue
@@ -48,20 +49,25 @@ class _Body(BaseModel):
     seed: int | None = None
     stream_options: dict | None = None
     ignore_eos: bool = Field(False, description="vLLM's extension: generate max_tokens tokens regardless of EOS")
-    # Accepted only at their defaults: a request that sets them gets a 400 naming the field, not a silent no-op.
-    logit_bias: dict | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 
     def unsupported(self) -> str | None:
-        """The first field set to something this server does not do, or None."""
-        if self.logit_bias:
-            return "logit_bias"
-        if self.presence_penalty:
-            return "presence_penalty"
-        if self.frequency_penalty:
-            return "frequency_penalty"
+        """The first field set to something this server does not do, or None (a request that sets one gets a
+        400 naming it, not a silent no-op)."""
         return None
+
+    def bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; ValueError naming the first bad entry."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+                raise ValueError(f"logit_bias: {key!r} is not a token id in [0, {vocab}).")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: the bias of token {key} is {value}, outside [-100, 100].")
+            pairs.append((int(key), float(value)))
+        return tuple(pairs)
 
     def logprobs_count(self) -> int | None:
         """How many top alternatives to report per token (None: no log-probabilities)."""
@@ -178,9 +184,14 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
             return _error(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
         if not engine.alive:
             return _error(503, "the engine is not running; see /health.", "engine_down")
+        try:
+            bias = body.bias(len(tokenizer))
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request", "logit_bias")
         stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
         params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
-                                body.ignore_eos, body.logprobs_count())
+                                body.ignore_eos, body.logprobs_count(), body.presence_penalty,
+                                body.frequency_penalty, bias)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 

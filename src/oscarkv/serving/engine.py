@@ -33,7 +33,7 @@ import torch
 from ..errors import OscarError
 from ..integrations.static_decode import DecodeGraphs, forward_slots
 from ..transfer import to_device
-from ..sampling import sample_tokens
+from ..sampling import logit_adjustments, sample_tokens
 
 log = logging.getLogger("oscarkv.serving")
 
@@ -51,7 +51,9 @@ class RequestRejected(OscarError):
 class SamplingParams:
     """max_tokens: tokens to generate at most; temperature 0 is greedy; top_p in (0, 1];
     ignore_eos: run to max_tokens (for benchmarks); logprobs: None, or report each generated token's
-    log-probability and those of the `logprobs` most likely tokens at its position (`TokenLogprob`)."""
+    log-probability and those of the `logprobs` most likely tokens at its position (`TokenLogprob`);
+    presence_penalty, frequency_penalty, logit_bias ((token, bias) pairs): OpenAI's, added to the logits
+    before the token is chosen (the penalties count the tokens generated so far; logprobs stay the model's)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -60,6 +62,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,7 @@ class Sequence:
     finished: bool = False
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
+    counts: dict[int, int] = field(default_factory=dict)  # how often each token was generated (penalties)
 
     @property
     def tokens_needed(self) -> int:
@@ -352,7 +362,14 @@ class Engine:
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Each row's next token: greedy at temperature 0, else drawn with its temperature and top_p
         (`sampling.sample_tokens`: the batch on the logits' device, one uniform number per request from its
-        own generator). One copy to the host for the batch."""
+        own generator), after the rows' penalties and logit_bias. One copy to the host for the batch."""
+        if any(seq.params.adjusts_logits for seq in seqs):
+            at, tokens, values = logit_adjustments(
+                [(seq.counts, seq.params.presence_penalty, seq.params.frequency_penalty, dict(seq.params.logit_bias))
+                 for seq in seqs])
+            index = to_device([at, tokens], torch.long, logits.device)
+            logits = logits.float().index_put((index[0], index[1]), to_device(values, torch.float32, logits.device),
+                                              accumulate=True)  # a new tensor: logprobs keep the model's logits
         chosen = logits.argmax(-1)
         rows = [i for i, seq in enumerate(seqs) if seq.params.temperature > 0]
         if rows:
@@ -389,6 +406,7 @@ class Engine:
             self._finish(seq, "stop", final_text=self._text(seq, final=True))
             return
         seq.generated.append(token)
+        seq.counts[token] = seq.counts.get(token, 0) + 1
         if logprob is not None:
             seq.logprobs.append(replace(logprob, text=self._token_text(seq.generated)))
         text = self._text(seq, final=len(seq.generated) >= seq.params.max_tokens)
