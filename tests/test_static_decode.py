@@ -16,7 +16,7 @@ from oscarkv.integrations.paged import PagedOscarCache
 from oscarkv.integrations.slots import DenseSlotCache, SlotError
 from oscarkv.integrations.static_decode import (StaticDecoder, _sampling, forward_slots, generate_static,
                                                 slot_cache_for, static_generate_arguments, stop_at_eos)
-from oscarkv.sampling import Sampling
+from oscarkv.sampling import Sampling, repetition_penalized
 from transformers import GenerationConfig
 from oscarkv.kernels.ops import triton_available
 from test_transformers_cache import _ids, _left_padded, _random_artifact
@@ -54,6 +54,33 @@ def test_int2_static_generation_equals_transformers_generate(graphs, per_head):
         reference = type(model).generate(model, ids, past_key_values=cache, max_new_tokens=30, do_sample=False)
     static = generate_static(model, ids, 30, graphs=graphs, backend=PAGED_BACKEND)
     assert torch.equal(static, reference)
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+def test_repetition_penalty_equals_transformers_generate(graphs):
+    """transformers' repetition penalty (over the prompt and the new tokens) on the static path: the tokens of
+    transformers' loop over the same cache, and not the unpenalized ones."""
+    model = _model("oscar")
+    ids = _ids(40, batch=2).to(DEVICE)
+    state = model.oscar
+    cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 80, backend=PAGED_BACKEND)
+    with torch.no_grad():
+        reference = type(model).generate(model, ids, past_key_values=cache, max_new_tokens=20, do_sample=False,
+                                         repetition_penalty=1.8)
+    static = generate_static(model, ids, 20, graphs=graphs, backend=PAGED_BACKEND, repetition_penalty=1.8,
+                             eos_token_id=model.generation_config.eos_token_id)  # row 0 ends at EOS here
+    assert torch.equal(static, reference)
+    assert not torch.equal(static, generate_static(model, ids, 20, graphs=graphs, backend=PAGED_BACKEND))
+
+
+def test_repetition_penalized_equals_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 3  # both signs
+    ids = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(5))
+    seen = torch.zeros(3, 50, dtype=torch.bool).scatter_(1, ids, True)
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits.clone())
+    assert torch.equal(repetition_penalized(logits, seen, 1.7), expected)
 
 
 @pytest.mark.parametrize("graphs", GRAPHS)
@@ -141,7 +168,9 @@ def test_generate_routes_only_plain_greedy_calls_on_cuda():
     copies = static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "do_sample": True,
                                                        "num_return_sequences": 3})
     assert torch.equal(copies["input_ids"], ids.repeat_interleave(3, dim=0))
-    for extra in ({"num_return_sequences": 2}, {"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()}, {"min_p": 0.1},
+    penalized = static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "repetition_penalty": 1.2})
+    assert penalized["repetition_penalty"] == 1.2
+    for extra in ({"num_return_sequences": 2}, {"num_beams": 2}, {"no_repeat_ngram_size": 2}, {"streamer": object()}, {"min_p": 0.1},
                   {"attention_mask": torch.cat([torch.ones_like(ids[:, :1]), torch.zeros_like(ids[:, 1:])], 1)}):
         assert static_generate_arguments(model, (ids,), {"max_new_tokens": 4, **extra}) is None
     left_padded = torch.cat([torch.zeros_like(ids[:, :3]), torch.ones_like(ids[:, 3:])], 1)

@@ -65,6 +65,13 @@ def logit_adjustments(rows: list[tuple[dict[int, int], float, float, dict[int, f
     return at, tokens, values
 
 
+def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty: the float32 logits [B, V] of the tokens marked in seen [B, V] (bool)
+    divided by `penalty` where positive, multiplied where negative."""
+    logits = logits.float()
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
 def _nucleus(ranked: torch.Tensor, top_p) -> torch.Tensor:
     """Probabilities ranked most likely first, zero after the smallest prefix that reaches top_p: a token stays
     while the mass before it is below top_p (so the most likely one always does)."""

@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 
 from ..cache.mixed import left_padding
 from ..errors import OscarError
-from ..sampling import Sampling
+from ..sampling import Sampling, repetition_penalized
 from ..transfer import to_device
 from .decode_attention import fused_decode_attention
 from .fused_ops import compiled_small_ops
@@ -42,7 +42,7 @@ SlotCache = PagedSlotCache | DenseSlotCache
 
 # Settings of a GenerationConfig that change what greedy decoding picks; generate() keeps
 # transformers' loop when any of them differs from the default.
-_GREEDY_CHANGERS = ("num_beams", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+_GREEDY_CHANGERS = ("num_beams", "no_repeat_ngram_size", "bad_words_ids",
                     "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
                     "begin_suppress_tokens", "sequence_bias", "stop_strings",
                     "exponential_decay_length_penalty", "encoder_repetition_penalty", "guidance_scale",
@@ -51,7 +51,7 @@ _GREEDY_CHANGERS = ("num_beams", "repetition_penalty", "no_repeat_ngram_size", "
                     "prompt_lookup_num_tokens", "assistant_early_exit", "low_memory", "diversity_penalty")
 # Keyword arguments of generate() that the static path handles itself.
 _STATIC_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "eos_token_id", "pad_token_id",
-                  "use_cache", "temperature", "top_k", "top_p", "num_return_sequences"}
+                  "use_cache", "temperature", "top_k", "top_p", "num_return_sequences", "repetition_penalty"}
 # Sampling settings the static path does not apply (it takes temperature, top_k and top_p): with any of them
 # set, generate(do_sample=True) keeps transformers' loop.
 _SAMPLING_CHANGERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
@@ -107,7 +107,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model, cache: SlotCache, graphs: bool | None = None, warmup_steps: int = 2,
-                 sampling: Sampling | None = None) -> None:
+                 sampling: Sampling | None = None, repetition_penalty: float = 1.0) -> None:
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
@@ -116,16 +116,21 @@ class StaticDecoder:
             raise OscarError(f"CUDA graphs need a CUDA model; this one is on {self.device} (use graphs=False).")
         self.warmup_steps = max(1, warmup_steps)
         self.pick = next_tokens(sampling)
+        self.repetition_penalty = repetition_penalty
         self.replay_timing: tuple[int, float] | None = None  # (steps, seconds) of the last graph replays
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], last_tokens: torch.Tensor, steps: int) -> torch.Tensor:
+    def decode(self, slots: list[int], last_tokens: torch.Tensor, steps: int,
+               seen: torch.Tensor | None = None) -> torch.Tensor:
         """Feed last_tokens [B] (chosen, not yet in the cache) to `slots` and decode `steps` tokens
-        greedily. Returns [B, steps]: column 0 is the prediction after last_tokens."""
+        greedily. Returns [B, steps]: column 0 is the prediction after last_tokens. seen [B, V] (bool):
+        the tokens each row has so far, last_tokens included, where a repetition penalty applies."""
         b = len(slots)
         if last_tokens.shape != (b,):
             raise OscarError(f"last_tokens must be [{b}] (one per slot), got {tuple(last_tokens.shape)}.")
-        buffers = _StepBuffers.create(self.cache, slots, last_tokens.to(self.device), steps)
+        if (seen is None) != (self.repetition_penalty == 1.0):
+            raise OscarError("a repetition penalty needs the tokens each row has seen, and only it uses them.")
+        buffers = _StepBuffers.create(self.cache, slots, last_tokens.to(self.device), steps, seen)
         if steps == 0:
             return buffers.tokens
         self.cache.set_batch(slots)
@@ -158,7 +163,12 @@ class StaticDecoder:
     def _step(self, buf: _StepBuffers) -> None:
         logits = self.model(input_ids=buf.ids, position_ids=buf.positions, **{cache_keyword(self.model): self.cache},
                             use_cache=True, logits_to_keep=1).logits
-        chosen = self.pick(logits[:, -1])
+        scores = logits[:, -1]
+        if buf.seen is not None:
+            scores = repetition_penalized(scores, buf.seen, self.repetition_penalty)
+        chosen = self.pick(scores)
+        if buf.seen is not None:
+            buf.seen.scatter_(1, chosen, True)
         buf.tokens.index_copy_(1, buf.counter, chosen)
         buf.ids.copy_(chosen)
         buf.positions.add_(1)
@@ -244,14 +254,16 @@ class _StepBuffers:
     positions: torch.Tensor  # [B, 1] its position
     tokens: torch.Tensor  # [B, steps] the chosen tokens
     counter: torch.Tensor  # [1] steps done
+    seen: torch.Tensor | None = None  # [B, V] bool: the tokens of each row so far (repetition penalty)
 
     @classmethod
-    def create(cls, cache: SlotCache, slots: list[int], last_tokens: torch.Tensor, steps: int) -> _StepBuffers:
+    def create(cls, cache: SlotCache, slots: list[int], last_tokens: torch.Tensor, steps: int,
+               seen: torch.Tensor | None = None) -> _StepBuffers:
         device = last_tokens.device
         positions = torch.tensor([[cache.length(s)] for s in slots], dtype=torch.long, device=device)
         return cls(last_tokens.long().reshape(-1, 1).clone(), positions,
                    torch.zeros(len(slots), steps, dtype=torch.long, device=device),
-                   torch.zeros(1, dtype=torch.long, device=device))
+                   torch.zeros(1, dtype=torch.long, device=device), None if seen is None else seen.clone())
 
 
 def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto") -> SlotCache:
@@ -279,9 +291,11 @@ def next_tokens(sampling: Sampling | None):
 def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                     pad_token_id: int | None = None, graphs: bool | None = None,
                     max_context: int | None = None, backend: str = "auto",
-                    attention_mask: torch.Tensor | None = None, sampling: Sampling | None = None) -> torch.Tensor:
+                    attention_mask: torch.Tensor | None = None, sampling: Sampling | None = None,
+                    repetition_penalty: float = 1.0) -> torch.Tensor:
     """Greedy generation through the static decode path (or sampled, with `sampling`); returns
-    [B, prompt + new] like `generate`.
+    [B, prompt + new] like `generate`. repetition_penalty: transformers' (over input_ids, padding
+    included as transformers does, and the new tokens), applied before sampling.
 
     Rows stop at an EOS token (later positions become pad_token_id) and generation ends when every
     row has stopped, as transformers' greedy search does. max_context: the cache's length
@@ -312,8 +326,16 @@ def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
                             for i, (slot, p) in enumerate(zip(slots, pad))])
     else:
         logits = forward_slots(model, cache, slots, input_ids)
+    seen = None
+    if repetition_penalty != 1.0:
+        seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(
+            1, input_ids.to(logits.device), True)
+        logits = repetition_penalized(logits, seen, repetition_penalty)
     first = next_tokens(sampling)(logits)[:, 0]
-    rest = StaticDecoder(model, cache, graphs, sampling=sampling).decode(slots, first, max_new_tokens - 1)
+    if seen is not None:
+        seen.scatter_(1, first[:, None], True)
+    rest = StaticDecoder(model, cache, graphs, sampling=sampling, repetition_penalty=repetition_penalty).decode(
+        slots, first, max_new_tokens - 1, seen)
     new = torch.cat([first[:, None], rest], dim=1)
     return torch.cat([input_ids, stop_at_eos(new, eos_token_id, pad_token_id)], dim=1)
 
@@ -382,6 +404,9 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
         sampling = _sampling(config, kwargs)
         if sampling is None:
             return None
+    penalty = next(v for v in (kwargs.get("repetition_penalty"), config.repetition_penalty, 1.0) if v is not None)
+    if not penalty > 0:  # transformers' loop refuses it, with its message
+        return None
     copies = kwargs.get("num_return_sequences", config.num_return_sequences) or 1
     if copies > 1 and sampling is None:  # transformers' loop refuses it for greedy search, with its message
         return None
@@ -401,5 +426,6 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
         except OscarError:
             return None
     return dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=int(max_new), sampling=sampling,
+                repetition_penalty=float(penalty),
                 eos_token_id=kwargs.get("eos_token_id", config.eos_token_id),
                 pad_token_id=kwargs.get("pad_token_id", config.pad_token_id))
