@@ -32,8 +32,8 @@ import torch
 
 from ..errors import OscarError
 from ..integrations.static_decode import DecodeGraphs, forward_slots
-from ..transfer import to_device
 from ..sampling import logit_adjustments, sample_tokens
+from ..transfer import to_device
 
 log = logging.getLogger("oscarkv.serving")
 
@@ -376,7 +376,7 @@ class Engine:
             params = [seqs[i].params for i in rows]
             uniform = [float(torch.rand(1, generator=seqs[i].generator)) for i in rows]
             drawn = sample_tokens(logits[rows], [p.temperature for p in params], [p.top_p for p in params], uniform)
-            chosen[torch.tensor(rows, device=chosen.device)] = drawn
+            chosen[to_device(rows, torch.long, chosen.device)] = drawn
         return chosen.tolist()
 
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
