@@ -359,6 +359,32 @@ def test_penalties_and_logit_bias_change_the_choice_not_the_logprobs():
     assert abs(forced[0].logprob - float(_reference_run(engine, prompt, 1)[1][0, 7])) < 1e-4
 
 
+def test_prompt_logprobs_score_every_prompt_token():
+    """max_tokens 0 with prompt_logprobs: the request ends once its prompt is read (in chunks of 24), and each
+    prompt token after the first gets the log-softmax, at that token, of the logits before it (a reference
+    forward in the same chunks); the first gets none."""
+    engine = _tiny_engine(prefill_chunk=24)
+    prompt = _prompt(60, seed=9)
+    events = Collector()
+    engine.submit(prompt, SamplingParams(max_tokens=0, prompt_logprobs=2), events)
+    _drain(engine)
+    done = events.events[-1]
+    assert done.kind == "done" and done.finish_reason == "length" and done.completion_tokens == 0
+    scored = done.prompt_logprobs
+    assert scored[0] is None and [e.token for e in scored[1:]] == prompt[1:]
+    model, state = engine.model, engine.model.oscar
+    cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, engine.config.max_context,
+                            backend=engine.cache.backend)
+    with torch.no_grad():
+        logits = torch.cat([model(torch.tensor([prompt[s:s + 24]]), past_key_values=cache).logits[0]
+                            for s in range(0, 60, 24)])
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for j, e in enumerate(scored[1:], start=1):
+        assert abs(e.logprob - float(reference[j - 1, prompt[j]])) < 1e-4
+        assert [t for t, _, _ in e.top] == reference[j - 1].topk(2).indices.tolist()
+    assert "".join(e.text for e in scored[1:]) == engine.tokenizer.decode(prompt)[len(engine.tokenizer.decode(prompt[:1])):]
+
+
 def test_stop_strings_end_the_text_before_them():
     engine = _tiny_engine()
     free = Collector()
@@ -449,7 +475,6 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": "word " * 1100, "max_tokens": 4}, 400, "context of 1024"),
     ({"prompt": [1, 2, 10 ** 9]}, 400, "token ids"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
     ({"prompt": "x", "logit_bias": {"word": 10}}, 400, "not a token id"),
     ({"prompt": "x", "logit_bias": {"5": 150}}, 400, "outside [-100, 100]"),
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -493,6 +518,30 @@ def test_logprobs_in_openai_shapes(client):
     assert sum((x["text_offset"] for x in streamed), []) == lp["text_offset"]
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
     assert r.status_code == 400 and "logprobs: true" in r.json()["error"]["message"]
+
+
+@pytest_model
+def test_echo_scores_the_prompt(client):
+    """echo with logprobs, as evaluation harnesses ask: max_tokens 0 gives the prompt back with its tokens'
+    log-probabilities (null for the first); with tokens to generate, the completion follows the prompt."""
+    prompt = "The capital of France is Paris"
+    scored = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0, "echo": True,
+                                                  "logprobs": 1}).json()
+    choice = scored["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and scored["usage"]["completion_tokens"] == 0
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == scored["usage"]["prompt_tokens"] > 1
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and lp["text_offset"][0] == 0
+    assert "".join(lp["tokens"]) == prompt
+    more = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1,
+                                                "temperature": 0}).json()["choices"][0]
+    assert more["text"].startswith(prompt) and len(more["logprobs"]["tokens"]) == len(lp["tokens"]) + 2
+    assert more["logprobs"]["token_logprobs"][:len(lp["tokens"])] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    for body, needle in (({"prompt": "x", "max_tokens": 0}, "needs echo"),
+                         ({"prompt": "x", "echo": True, "stream": True}, "echo with stream")):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"]
 
 
 @pytest_model

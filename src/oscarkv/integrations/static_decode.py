@@ -87,16 +87,18 @@ def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
         yield
 
 
-def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-    """Append input_ids [B, n] (row i to slots[i]) through the model; last-position logits [B, V] (float32)."""
+def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Tensor,
+                  every_position: bool = False) -> torch.Tensor:
+    """Append input_ids [B, n] (row i to slots[i]) through the model; last-position logits [B, V] (float32), or
+    with every_position the logits of every position [B, n, V]."""
     n = input_ids.shape[1]
     starts = to_device([cache.length(s) for s in slots], torch.long, input_ids.device)
     positions = starts[:, None] + torch.arange(n, device=input_ids.device)[None]
     cache.set_batch(slots)
     out = model(input_ids=input_ids, position_ids=positions, **{cache_keyword(model): cache}, use_cache=True,
-                logits_to_keep=1)
+                logits_to_keep=0 if every_position else 1)
     cache.advance(n)
-    return out.logits[:, -1].float()
+    return out.logits.float() if every_position else out.logits[:, -1].float()
 
 
 class StaticDecoder:

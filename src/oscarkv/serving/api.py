@@ -6,9 +6,11 @@ server-sent events, ending with `data: [DONE]`), GET /v1/models, /health and /me
 
 Log-probabilities: completions' `logprobs: N` and chat's `logprobs: true` with `top_logprobs: N` (N <= 20)
 report each generated token's log-probability under the model (before temperature and top_p) and the N most
-likely tokens at its position, in OpenAI's shapes, streamed or not. `presence_penalty`, `frequency_penalty`
-(over the tokens generated so far) and `logit_bias` are added to the logits before a token is chosen. `echo`
-is not done: a request that sets it gets a 400 naming the field.
+likely tokens at its position, in OpenAI's shapes, streamed or not. Completions' `echo` puts the prompt before
+the completion, with the prompt tokens' log-probabilities (every position's logits in prefill; `max_tokens: 0`
+scores the prompt alone, as evaluation harnesses do); not when streaming. `presence_penalty`,
+`frequency_penalty` (over the tokens generated so far) and `logit_bias` are added to the logits before a token
+is chosen.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 body or a request the context cannot hold, 404 for another model name, 503 when the queue
@@ -76,13 +78,14 @@ class _Body(BaseModel):
 
 class CompletionBody(_Body):
     prompt: str | list[int] = Field(..., description="text, or token ids")
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: score the prompt, generate nothing")
     logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of the tokens and of the N "
                                                                 "most likely ones at each position")
-    echo: bool = False
+    echo: bool = Field(False, description="the prompt before the completion, with its log-probabilities")
     best_of: int | None = Field(None, ge=1, le=1, description="not done: every choice is returned (n)")
 
     def unsupported(self) -> str | None:
-        return "echo" if self.echo else super().unsupported()
+        return "echo with stream" if self.echo and self.stream else super().unsupported()
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -161,7 +164,10 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         prompt = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt).input_ids
         if isinstance(body.prompt, list) and any(t < 0 or t >= len(tokenizer) for t in body.prompt):
             return _error(400, f"prompt token ids must lie in [0, {len(tokenizer)}).", "invalid_request", "prompt")
-        return await _run(body, request, prompt, body.max_tokens or 16, chat=False)
+        if body.max_tokens == 0 and not body.echo:
+            return _error(400, "max_tokens: 0 needs echo: true (to score the prompt); ask for at least 1 token.",
+                          "invalid_request", "max_tokens")
+        return await _run(body, request, prompt, 16 if body.max_tokens is None else body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -189,9 +195,11 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         except ValueError as exc:
             return _error(400, str(exc), "invalid_request", "logit_bias")
         stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
+        echo = not chat and body.echo
         params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
                                 body.ignore_eos, body.logprobs_count(), body.presence_penalty,
-                                body.frequency_penalty, bias)
+                                body.frequency_penalty, bias,
+                                prompt_logprobs=body.logprobs_count() if echo else None)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
@@ -213,7 +221,9 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
                 engine.cancel(seq)
             return _error(exc.status, str(exc), exc.code)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        shape = _Shape(rid, served_model, chat, params.logprobs is not None, len(prompt))
+        shape = _Shape(rid, served_model, chat, params.logprobs is not None, len(prompt),
+                       echo=(body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt),
+                             tokenizer.decode(prompt[:1], skip_special_tokens=True)) if echo else None)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream(engine, seqs, events, shape, usage), media_type="text/event-stream")
@@ -260,12 +270,24 @@ class _Choice:
             self.last = event
 
 
+def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[dict, int]:
+    """The completions API's parallel lists for some tokens whose texts start at `offset`, and the offset after."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: p for _, t, p in e.top} for e in entries], "text_offset": offsets}, offset
+
+
 class _Shape:
     """OpenAI response objects for one request. logprobs: the request asked for log-probabilities."""
 
-    def __init__(self, rid: str, model: str, chat: bool, logprobs: bool = False, prompt_tokens: int = 0) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, logprobs: bool = False, prompt_tokens: int = 0,
+                 echo: tuple[str, str] | None = None) -> None:
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
         self.prompt_tokens = prompt_tokens
+        self.echo = echo  # completions with echo: (the prompt's text, its first token's text)
         self.created = int(time.time())
         self.text_offset: dict[int, int] = {}  # completions: where each choice's next token text starts
 
@@ -280,12 +302,8 @@ class _Shape:
 
             return {"content": [{**item(e.text, e.logprob), "top_logprobs": [item(t, p) for _, t, p in e.top]}
                                 for e in entries]}
-        offsets = []
-        for e in entries:
-            offsets.append(self.text_offset.get(index, 0))
-            self.text_offset[index] = offsets[-1] + len(e.text)
-        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{t: p for _, t, p in e.top} for e in entries], "text_offset": offsets}
+        lists, self.text_offset[index] = _completion_logprobs(entries, self.text_offset.get(index, 0))
+        return lists
 
     def _wrap(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -299,10 +317,26 @@ class _Shape:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
+    def _echoed(self, choice: _Choice) -> tuple[str, dict | None]:
+        """A completions choice with echo: the prompt's text before the completion's, and the prompt tokens'
+        log-probabilities before the generated ones (the first token has none: null, as OpenAI gives it)."""
+        prompt_text, first = self.echo
+        text = prompt_text + "".join(choice.text)
+        if not self.logprobs:
+            return text, None
+        scored = list(choice.last.prompt_logprobs[1:])  # the first is None
+        lists, _ = _completion_logprobs(scored + choice.logprobs, len(first))
+        return text, {"tokens": [first] + lists["tokens"], "token_logprobs": [None] + lists["token_logprobs"],
+                      "top_logprobs": [None] + lists["top_logprobs"], "text_offset": [0] + lists["text_offset"]}
+
     def full(self, choices: list[_Choice]) -> dict:
         out = []
         for index, c in enumerate(choices):
             text, reason = "".join(c.text), c.last.finish_reason
+            if self.echo is not None:
+                text, logprobs = self._echoed(c)
+                out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+                continue
             if self.chat:
                 out.append({"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": self._logprobs(c.logprobs, index), "finish_reason": reason})

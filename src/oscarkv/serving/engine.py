@@ -53,7 +53,9 @@ class SamplingParams:
     ignore_eos: run to max_tokens (for benchmarks); logprobs: None, or report each generated token's
     log-probability and those of the `logprobs` most likely tokens at its position (`TokenLogprob`);
     presence_penalty, frequency_penalty, logit_bias ((token, bias) pairs): OpenAI's, added to the logits
-    before the token is chosen (the penalties count the tokens generated so far; logprobs stay the model's)."""
+    before the token is chosen (the penalties count the tokens generated so far; logprobs stay the model's);
+    prompt_logprobs: None, or the prompt tokens' log-probabilities too (every position's logits in prefill),
+    with that many alternatives. max_tokens may be 0 then: the request ends once its prompt is read."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -65,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -119,6 +122,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # "done" of a request that asked for them
 
 
 @dataclass
@@ -141,6 +145,7 @@ class Sequence:
     finished: bool = False
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
     counts: dict[int, int] = field(default_factory=dict)  # how often each token was generated (penalties)
 
     @property
@@ -344,11 +349,26 @@ class Engine:
 
     def _prefill_chunk(self, seqs: list[Sequence]) -> None:
         seq = seqs[0]
-        chunk = seq.prompt_ids[seq.prefilled:seq.prefilled + self.config.prefill_chunk]
-        logits = self._forward([seq.slot], [chunk])
+        start = seq.prefilled
+        chunk = seq.prompt_ids[start:start + self.config.prefill_chunk]
+        if seq.params.prompt_logprobs is None:
+            logits = self._forward([seq.slot], [chunk])
+        else:  # every position: row r predicts prompt token start + r + 1
+            every = forward_slots(self.model, self.cache, [seq.slot], to_device([chunk], torch.long, self.device),
+                                  every_position=True)[0]
+            if start == 0:
+                seq.prompt_logprobs.append(None)  # the first token has nothing before it
+            targets = seq.prompt_ids[start + 1:start + len(chunk) + 1]
+            seq.prompt_logprobs += self._entries(every[:len(targets)], targets, seq.params.prompt_logprobs,
+                                                 texts=[self._token_text(seq.prompt_ids[max(0, j - 4):j + 1])
+                                                        for j in range(start + 1, start + 1 + len(targets))])
+            logits = every[-1:]
         seq.prefilled += len(chunk)
         self.counters.prompt_tokens += len(chunk)
         if not seq.reading_prompt:
+            if seq.params.max_tokens == 0:
+                self._finish(seq, "length", final_text="")
+                return
             token = self._choose([seq], logits)[0]
             self._accept(seq, token, self._logprobs([seq], logits, [token])[0])
 
@@ -381,21 +401,25 @@ class Engine:
 
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
         """The chosen tokens' log-probabilities (and top alternatives) for the rows that asked for them: one
-        log-softmax and one copy to the host for all of them, nothing where no row asked."""
+        log-softmax and one copy to the host for all of them, nothing where no row asked. Their texts are set
+        when the tokens are accepted, after their context."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         found: list[TokenLogprob | None] = [None] * len(seqs)
-        if not rows:
-            return found
-        logp = torch.log_softmax(logits[rows].float(), dim=-1)
-        chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device))[:, 0].tolist()
-        k = max(seqs[i].params.logprobs for i in rows)
-        top_p, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
-        top_p, top_ids = top_p.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            n = seqs[i].params.logprobs
-            top = tuple((t, self.tokenizer.decode([t]), p) for t, p in zip(top_ids[j][:n], top_p[j][:n]))
-            found[i] = TokenLogprob(tokens[i], "", chosen[j], top)  # text: set when accepted, after its context
+        if rows:
+            k = max(seqs[i].params.logprobs for i in rows)
+            entries = self._entries(logits[rows], [tokens[i] for i in rows], k, texts=[""] * len(rows))
+            for i, entry in zip(rows, entries):
+                found[i] = replace(entry, top=entry.top[:seqs[i].params.logprobs])
         return found
+
+    def _entries(self, logits: torch.Tensor, tokens: list[int], k: int, texts: list[str]) -> list[TokenLogprob]:
+        """Row i of logits [N, V] scored at tokens[i]: its log-softmax there and the k most likely tokens (one
+        log-softmax and one copy to the host for all rows)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, to_device([[t] for t in tokens], torch.long, logp.device))[:, 0].tolist()
+        top_p, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        return [TokenLogprob(token, text, value, tuple((t, self.tokenizer.decode([t]), p) for t, p in zip(ids, ps)))
+                for token, text, value, ids, ps in zip(tokens, texts, chosen, top_ids.tolist(), top_p.tolist())]
 
     def _accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token, send its text, and end the request when it is done."""
@@ -459,7 +483,8 @@ class Engine:
         seq.finished = True
         self.counters.completed += 1
         seq.emit(Event("done", rest.rstrip("\ufffd"), reason, len(seq.prompt_ids), len(seq.generated),
-                       logprobs=self._take_logprobs(seq)))
+                       logprobs=self._take_logprobs(seq),
+                       prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None))
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if not seq.finished and not seq.cancelled:
