@@ -359,15 +359,17 @@ def stop_at_eos(new: torch.Tensor, eos_token_id, pad_token_id: int | None) -> to
     return new
 
 
+def _setting(name: str, config: GenerationConfig, kwargs: dict, default):
+    """A generation setting: the call's, else the model's generation config, else transformers' default."""
+    return next(value for value in (kwargs.get(name), getattr(config, name, None), default) if value is not None)
+
+
 def _sampling(config: GenerationConfig, kwargs: dict) -> Sampling | None:
     """The `Sampling` of a generate(do_sample=True) call, or None where it sets what the static path does not
     apply (or values transformers refuses: its loop then says so)."""
     if any(getattr(config, name, None) not in (None, default) for name, default in _SAMPLING_CHANGERS.items()):
         return None
-    settings = {}
-    for name, default in _SAMPLING_DEFAULTS.items():  # the call's, else the model's config, else transformers'
-        given = (kwargs.get(name), getattr(config, name, None), default)
-        settings[name] = next(value for value in given if value is not None)
+    settings = {name: _setting(name, config, kwargs, default) for name, default in _SAMPLING_DEFAULTS.items()}
     try:
         return Sampling(float(settings["temperature"]), int(settings["top_k"]), float(settings["top_p"]))
     except (OscarError, TypeError, ValueError):
@@ -406,10 +408,10 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
         sampling = _sampling(config, kwargs)
         if sampling is None:
             return None
-    penalty = next(v for v in (kwargs.get("repetition_penalty"), config.repetition_penalty, 1.0) if v is not None)
+    penalty = _setting("repetition_penalty", config, kwargs, 1.0)
     if not penalty > 0:  # transformers' loop refuses it, with its message
         return None
-    copies = kwargs.get("num_return_sequences", config.num_return_sequences) or 1
+    copies = _setting("num_return_sequences", config, kwargs, 1)
     if copies > 1 and sampling is None:  # transformers' loop refuses it for greedy search, with its message
         return None
     if copies > 1:

@@ -119,7 +119,6 @@ class Event:
     kind: str
     text: str = ""
     finish_reason: str | None = None
-    prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # "done" of a request that asked for them
@@ -482,7 +481,7 @@ class Engine:
         rest = final_text[seq.text_sent:] if len(final_text) > seq.text_sent else ""
         seq.finished = True
         self.counters.completed += 1
-        seq.emit(Event("done", rest.rstrip("\ufffd"), reason, len(seq.prompt_ids), len(seq.generated),
+        seq.emit(Event("done", rest.rstrip("\ufffd"), reason, len(seq.generated),
                        logprobs=self._take_logprobs(seq),
                        prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None))
 
