@@ -189,6 +189,91 @@ def test_requests_beyond_free_pages_wait_and_beyond_the_whole_cache_are_refused(
         engine.submit(_prompt(250), SamplingParams(max_tokens=10), Collector())
 
 
+@pytest.mark.parametrize("method", ["hadamard", "bf16"])
+def test_choices_read_their_prompt_once_and_go_on_as_separate_requests(method):
+    """n = 3 choices of a 131-token prompt (chunks of 40): the prompt is read once, the INT2 cache's history pages
+    are held once, and each choice's tokens equal a request of its own: greedy ones the reference's, seeded
+    sampled ones those of three single requests with the same seeds."""
+    engine = _tiny_engine(method, prefill_chunk=40)
+    prompt = _prompt(131, seed=4)
+    shared = engine.cache.units_for(len(prompt))
+    greedy = [(SamplingParams(max_tokens=24), Collector()) for _ in range(3)]
+    captured = _capture_tokens(engine)
+    seqs = engine.submit_choices(prompt, greedy)
+    pages_after_prompt = None
+    while engine.step():
+        if pages_after_prompt is None and all(not s.reading_prompt for s in seqs):
+            pages_after_prompt = engine.cache.usage().pages_used
+    reference = _reference_tokens(engine, prompt, 24, chunk=40)
+    assert [captured[s.id] for s in seqs] == [reference] * 3
+    assert engine.counters.prompt_tokens == len(prompt)
+    if method == "hadamard":
+        assert shared == 5 and pages_after_prompt == shared  # not 3 × 5
+    usage = engine.cache.usage()
+    assert usage.slots_used == usage.pages_used == usage.pages_promised == 0
+    _assert_choices_equal_single_requests(engine, prompt, sampled=True)
+
+
+def _assert_choices_equal_single_requests(engine, prompt, sampled):
+    """Three choices of `prompt` (seeds 7, 8, 9 where sampled) get the tokens of three single requests."""
+    def params(i):
+        return SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i) if sampled else SamplingParams(max_tokens=12)
+
+    captured = _capture_tokens(engine)
+    seqs = engine.submit_choices(prompt, [(params(i), Collector()) for i in range(3)])
+    _drain(engine)
+    together = [captured[s.id] for s in seqs]
+    alone = []
+    for i in range(3):
+        seq = engine.submit(prompt, params(i), Collector())
+        _drain(engine)
+        alone.append(captured[seq.id])
+    assert together == alone and len({tuple(t) for t in alone}) == (3 if sampled else 1)
+    usage = engine.cache.usage()
+    assert usage.slots_used == usage.pages_used == usage.pages_promised == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and CUDA graphs of a GPU engine")
+@pytest.mark.parametrize("method", ["hadamard", "bf16"])
+def test_choices_on_the_gpu_equal_single_requests(method):
+    """On a CUDA engine (kernels, CUDA-graph decode steps), choices forked from one reading of a prompt that
+    reaches the INT2 history get the tokens of single requests, greedy and sampled."""
+    engine = _tiny_engine(method, "auto", "cuda", max_seqs=4, max_context=512, prefill_chunk=64)
+    prompt = _prompt(300, seed=4)
+    for sampled in (False, True):
+        _assert_choices_equal_single_requests(engine, prompt, sampled)
+
+
+def test_choices_share_their_promise_and_a_cancelled_first_choice_hands_on_the_prompt():
+    """Pages promised to the choices of one prompt count its history pages once: two choices fit in a cache
+    where two separate requests must take turns. If the choice reading the prompt is cancelled first, the next
+    one reads it, and the others still get the tokens of a request alone."""
+    engine = _tiny_engine(max_context=256)
+    engine.cache = PagedSlotCache(engine.model.oscar, 4, 6, 256, torch.device("cpu"), "torch")
+    prompt = _prompt(120, 1)
+    params = SamplingParams(max_tokens=8)
+    assert engine.cache.units_for(128) == 5 and engine.cache.units_for(120) == 4  # 5 + 5 - 4 = 6 pages together
+    seqs = engine.submit_choices(prompt, [(params, Collector()), (params, Collector())])
+    engine.step()
+    assert engine.load() == {"running": 2, "waiting": 0}
+    _drain(engine)
+    assert all(s.finished for s in seqs)
+
+    engine = _tiny_engine(prefill_chunk=40)
+    captured = _capture_tokens(engine)
+    prompt = _prompt(131, seed=4)
+    outs = [Collector() for _ in range(3)]
+    seqs = engine.submit_choices(prompt, [(SamplingParams(max_tokens=6), out) for out in outs])
+    engine.step()  # the first choice reads its first chunk
+    engine.cancel(seqs[0])
+    _drain(engine)
+    reference = _reference_tokens(engine, prompt, 6, chunk=40)
+    assert not outs[0].done and [captured[s.id] for s in seqs[1:]] == [reference] * 2
+    assert engine.counters.prompt_tokens == 40 + len(prompt)
+    usage = engine.cache.usage()
+    assert usage.slots_used == usage.pages_used == usage.pages_promised == 0
+
+
 def test_full_queue_answers_503_and_cancelled_requests_free_their_slot():
     engine = _tiny_engine(max_seqs=1, max_waiting=3)
     first, second = Collector(), Collector()

@@ -483,9 +483,10 @@ def _bench_serve(args) -> int:
 
         result = asyncio.run(measure_throughput(args.url.rstrip("/"), args.clients, args.prompt_tokens,
                                                 args.max_tokens, args.vocab, temperature=args.temperature,
-                                                top_p=args.top_p))
+                                                top_p=args.top_p, choices=args.choices))
         print(json.dumps(result.to_dict(), indent=2) if args.json else
-              f"{result.clients} requests of {result.prompt_tokens} prompt tokens running together: "
+              f"{result.clients} requests of {result.prompt_tokens} prompt tokens"
+              f"{f' ({result.choices} choices each)' if result.choices > 1 else ''} running together: "
               f"{result.decode_tokens_per_s:.0f} generated tokens/s over {result.window_s:.1f} s "
               f"({result.window_tokens} tokens); all prompts read after {result.all_started_s:.1f} s; "
               f"KV in use {result.kv_bytes_used_peak / 2**30:.2f} GiB of {result.kv_bytes_total / 2**30:.2f} GiB")
@@ -631,6 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (throughput mode)")
     b.add_argument("--temperature", type=float, default=0.0, help="throughput mode: 0 is greedy, else sampled")
     b.add_argument("--top-p", type=float, default=1.0, help="throughput mode: top_p of sampled requests")
+    b.add_argument("--choices", type=int, default=1, help="throughput mode: n, the choices of every request")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_serve)
 

@@ -166,11 +166,15 @@ class PagedLayer:
 
 
 class PageAllocator:
-    """Free list of page ids shared by all layers (a page id addresses the same page in each)."""
+    """Free list of page ids shared by all layers (a page id addresses the same page in each).
+
+    A page may be held by several sequences (`share`: a prompt's history pages, read by every
+    sequence forked from it); it goes back to the free list when its last holder releases it."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        self._holders: dict[int, int] = {}  # pages held by more than one sequence: how many hold them
 
     @property
     def free_pages(self) -> int:
@@ -188,8 +192,24 @@ class PageAllocator:
             )
         return [self._free.pop() for _ in range(n)]
 
+    def share(self, pages: list[int]) -> None:
+        """One more sequence holds `pages` (pages in use)."""
+        for page in pages:
+            self._holders[page] = self._holders.get(page, 1) + 1
+
+    def holders(self, page: int) -> int:
+        return self._holders.get(page, 1)
+
     def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """A sequence lets go of `pages`; those no other sequence holds become free."""
+        freed = []
+        for page in pages:
+            left = self._holders.pop(page, 1) - 1
+            if left > 1:
+                self._holders[page] = left
+            elif left == 0:
+                freed.append(page)
+        self._free.extend(reversed(freed))
 
 
 @dataclass
@@ -256,6 +276,22 @@ class PagedKVCache:
         self.lengths[slot] = 0
         self._free_slots.append(slot)
         self._free_slots.sort(reverse=True)  # lowest slot first, so full batches stay slots 0..B-1
+
+    def fork(self, source: int, into: int) -> None:
+        """Give the open, empty slot `into` what `source` holds now: its full history pages shared (no copy;
+        a page of a slot's history is never written again) and its BF16 sink and recent windows copied.
+        The two sequences then go on apart. Pages `source` reserved beyond its history stay its own."""
+        if self.lengths[into] or self.pages[into] or into in self._free_slots:
+            raise OscarError(f"slot {into} must be open and empty to take a fork of slot {source}.")
+        length = self.lengths[source]
+        shared = self.pages[source][:self.layout.pages_needed(length)]
+        self.allocator.share(shared)
+        self.pages[into] = list(shared)
+        self.block_table[into, :len(shared)] = self.block_table[source, :len(shared)]
+        for layer in self.layers:
+            for window in (layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v):
+                window[into] = window[source]
+        self.lengths[into] = length
 
     def reserve(self, slot: int, new_length: int) -> None:
         """Make sure `slot` has the pages a length of `new_length` needs (all or nothing)."""

@@ -52,15 +52,23 @@ class CacheUsage:
 
 
 class _SlotBook:
-    """Which slots are open and how many pages each was promised; shared by both caches."""
+    """Which slots are open and how many pages each was promised; shared by both caches.
+
+    Slots opened together for the choices of one prompt (`open_group`) each count its pages, but
+    the prompt's history pages are held once (`fork`): the book subtracts them for every member of
+    the group but one, as long as two or more members are open."""
 
     def __init__(self, max_slots: int) -> None:
         self.max_slots = max_slots
         self.promised: dict[int, int] = {}
+        self.groups: list[tuple[int, set[int]]] = []  # (shared units, open member slots)
+
+    def free_count(self) -> int:
+        return self.max_slots - len(self.promised)
 
     @property
     def has_free(self) -> bool:
-        return len(self.promised) < self.max_slots
+        return self.free_count() > 0
 
     def lowest_free(self) -> int:
         return min(set(range(self.max_slots)) - self.promised.keys())
@@ -69,17 +77,40 @@ class _SlotBook:
         self.promised[slot] = units
         return slot
 
+    def group(self, slots: list[int], shared_units: int) -> None:
+        if len(slots) > 1 and shared_units > 0:
+            self.groups.append((shared_units, set(slots)))
+
     def give_back(self, slot: int) -> None:
         if slot not in self.promised:
             raise SlotError(f"slot {slot} is not open.")
         del self.promised[slot]
+        for _, members in self.groups:
+            members.discard(slot)
+        self.groups = [g for g in self.groups if len(g[1]) > 1]
 
     @property
     def promised_total(self) -> int:
-        return sum(self.promised.values())
+        return sum(self.promised.values()) - sum((len(members) - 1) * units for units, members in self.groups)
 
 
-class PagedSlotCache(PagedOscarCache):
+def group_units(units_for, tokens: list[int], shared_tokens: int) -> int:
+    """Pages that sequences of `tokens` tokens need together when all share the history pages of their first
+    `shared_tokens` (one prompt read once, `fork`)."""
+    return sum(units_for(t) for t in tokens) - (len(tokens) - 1) * units_for(shared_tokens) if tokens else 0
+
+
+class _OneSlot:
+    """A request's slot: a group of one (`can_open_group`, `open_group` of the cache)."""
+
+    def can_open(self, tokens: int) -> bool:
+        return self.can_open_group([tokens], 0)
+
+    def open(self, tokens: int) -> int:
+        return self.open_group([tokens], 0)[0]
+
+
+class PagedSlotCache(_OneSlot, PagedOscarCache):
     """The paged INT2 cache with slots opened and closed per request (see the module docstring)."""
 
     def __init__(self, state: OscarState, max_slots: int, num_pages: int, max_context: int,
@@ -118,13 +149,23 @@ class PagedSlotCache(PagedOscarCache):
     def capacity_units(self) -> int:
         return self.storage.allocator.num_pages
 
-    def can_open(self, tokens: int) -> bool:
-        return self.book.has_free and self.book.promised_total + self.units_for(tokens) <= self.capacity_units()
+    def can_open_group(self, tokens: list[int], shared_tokens: int) -> bool:
+        """Room now for sequences of `tokens` tokens that will share their first `shared_tokens` (`fork`)."""
+        need = group_units(self.units_for, tokens, shared_tokens)
+        return self.book.free_count() >= len(tokens) and self.book.promised_total + need <= self.capacity_units()
 
-    def open(self, tokens: int) -> int:
-        if not self.can_open(tokens):
-            raise SlotError(f"no room for a {tokens}-token sequence now.")
-        return self.book.take(self.storage.open_slot(), self.units_for(tokens))
+    def open_group(self, tokens: list[int], shared_tokens: int) -> list[int]:
+        """Open one slot per entry of `tokens`; the first reads the shared prompt, the others take it by
+        `fork` once it is read (their pages promised without the prompt's history pages)."""
+        if not self.can_open_group(tokens, shared_tokens):
+            raise SlotError(f"no room for {len(tokens)} sequence(s) of up to {max(tokens)} tokens now.")
+        slots = [self.book.take(self.storage.open_slot(), self.units_for(t)) for t in tokens]
+        self.book.group(slots, self.units_for(shared_tokens))
+        return slots
+
+    def fork(self, source: int, into: int) -> None:
+        """The open, empty slot `into` takes what `source` holds: its history pages shared, its windows copied."""
+        self.storage.fork(source, into)
 
     def close(self, slot: int) -> None:
         self.book.give_back(slot)
@@ -262,7 +303,7 @@ class DenseSlotLayer(AttendingLayer):
         return self.length
 
 
-class DenseSlotCache(DynamicCache):
+class DenseSlotCache(_OneSlot, DynamicCache):
     """The BF16 baseline for the serving engine (see the module docstring)."""
 
     def __init__(self, num_layers: int, max_slots: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
@@ -289,15 +330,29 @@ class DenseSlotCache(DynamicCache):
     def capacity_units(self) -> int:
         return 0
 
-    def can_open(self, tokens: int) -> bool:
-        return self.book.has_free and tokens <= self.max_context
+    def can_open_group(self, tokens: list[int], shared_tokens: int) -> bool:
+        return self.book.free_count() >= len(tokens) and max(tokens) <= self.max_context
 
-    def open(self, tokens: int) -> int:
-        if not self.can_open(tokens):
-            raise SlotError(f"no room for a {tokens}-token sequence now.")
-        slot = self.book.take(self.book.lowest_free(), 0)
-        self.lengths[slot] = 0
-        return slot
+    def open_group(self, tokens: list[int], shared_tokens: int) -> list[int]:
+        """As `PagedSlotCache.open_group`; every slot owns its positions, so a fork copies the prompt's K and V."""
+        if not self.can_open_group(tokens, shared_tokens):
+            raise SlotError(f"no room for {len(tokens)} sequence(s) of up to {max(tokens)} tokens now.")
+        slots = []
+        for _ in tokens:
+            slots.append(self.book.take(self.book.lowest_free(), 0))
+            self.lengths[slots[-1]] = 0
+        return slots
+
+    def fork(self, source: int, into: int) -> None:
+        """The empty slot `into` takes a copy of the K and V that `source` holds."""
+        if self.lengths[into] or into not in self.book.promised:
+            raise OscarError(f"slot {into} must be open and empty to take a fork of slot {source}.")
+        n = self.lengths[source]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys_store[into, :, :n] = layer.keys_store[source, :, :n]
+                layer.values_store[into, :, :n] = layer.values_store[source, :, :n]
+        self.lengths[into] = n
 
     def close(self, slot: int) -> None:
         self.book.give_back(slot)

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .engine import Engine, Event, RequestRejected, SamplingParams, TokenLogprob
 
 DEFAULT_CHAT_MAX_TOKENS = 256
-MAX_CHOICES = 16  # `n`: each choice is a sequence of its own (its prompt read again; no prefix sharing)
+MAX_CHOICES = 16  # `n`: each choice is a sequence of its own; they read the prompt once (`Engine.submit_choices`)
 
 
 class _Body(BaseModel):
@@ -45,7 +45,8 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per request, each generated as its own sequence")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per request, each generated as its own sequence "
+                                                       "from one reading of the prompt")
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -211,14 +212,10 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
                     pass
             return emit
 
-        seqs = []
-        try:
-            for index in range(body.n):  # choice i with a seed draws from seed + i
-                seed = None if body.seed is None else body.seed + index
-                seqs.append(engine.submit(prompt, replace(params, seed=seed), emitter(index)))
+        try:  # choice i with a seed draws from seed + i
+            seqs = engine.submit_choices(prompt, [(replace(params, seed=None if body.seed is None else body.seed + i),
+                                                   emitter(i)) for i in range(body.n)])
         except RequestRejected as exc:
-            for seq in seqs:
-                engine.cancel(seq)
             return _error(exc.status, str(exc), exc.code)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         shape = _Shape(rid, served_model, chat, params.logprobs is not None, len(prompt),

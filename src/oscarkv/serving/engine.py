@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import OscarError
+from ..integrations.slots import group_units
 from ..integrations.static_decode import DecodeGraphs, forward_slots
 from ..sampling import logit_adjustments, sample_tokens
 from ..transfer import to_device
@@ -146,6 +147,10 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
     counts: dict[int, int] = field(default_factory=dict)  # how often each token was generated (penalties)
+    # Choices of one prompt (`Engine.submit_choices`): the first reads the prompt; the others wait, as its
+    # followers, and take its cache by `fork` once it is read.
+    followers: list[Sequence] = field(default_factory=list)
+    leader: Sequence | None = None
 
     @property
     def tokens_needed(self) -> int:
@@ -192,16 +197,27 @@ class Engine:
     # ---- from any thread -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Sequence:
         """Queue a request, or raise RequestRejected saying why it cannot run."""
+        return self.submit_choices(prompt_ids, [(params, emit)])[0]
+
+    def submit_choices(self, prompt_ids: list[int], choices: list[tuple[SamplingParams, Callable[[Event], None]]]
+                       ) -> list[Sequence]:
+        """Queue several sequences of one prompt (OpenAI's `n`), or raise RequestRejected for all of them. The
+        prompt is read once per `max_seqs` of them (a group is admitted at once): when the group's first has
+        read it, the others take its cache (`fork`: the INT2 history pages shared, the BF16 windows copied)
+        and each draws its own tokens from there."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty.")
         limit = self.config.max_context
-        if len(prompt_ids) + params.max_tokens > limit:
+        longest = max(len(prompt_ids) + params.max_tokens for params, _ in choices)
+        if longest > limit:
             self.counters.rejected += 1
             raise RequestRejected(
-                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: together more than "
-                f"this server's context of {limit} tokens; shorten the prompt or lower max_tokens.",
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {longest - len(prompt_ids)}: together "
+                f"more than this server's context of {limit} tokens; shorten the prompt or lower max_tokens.",
                 code="context_length_exceeded")
-        units = self.cache.units_for(len(prompt_ids) + params.max_tokens)
+        size = self.config.max_seqs  # a group is admitted at once, so at most max_seqs choices read the prompt once
+        units = group_units(self.cache.units_for, [len(prompt_ids) + p.max_tokens for p, _ in choices[:size]],
+                            len(prompt_ids))
         if units > self.cache.capacity_units() > 0:
             self.counters.rejected += 1
             raise RequestRejected(
@@ -209,17 +225,28 @@ class Engine:
                 "lower max_tokens or the prompt, or start the server with a larger --kv-memory.",
                 code="kv_cache_too_small")
         with self._lock:
-            if len(self._waiting) >= self.config.max_waiting:
+            if self._waiting_count() >= self.config.max_waiting:
                 self.counters.rejected += 1
-                raise RequestRejected(f"{len(self._waiting)} requests are already waiting; retry later.", status=503,
-                                      code="server_busy")
-            seq = Sequence(self._next_id, list(prompt_ids), params, emit)
-            self._next_id += 1
-            if params.seed is not None and params.temperature > 0:
-                seq.generator = torch.Generator().manual_seed(params.seed)
-            self._waiting.append(seq)
+                raise RequestRejected(f"{self._waiting_count()} requests are already waiting; retry later.",
+                                      status=503, code="server_busy")
+            seqs = []
+            for params, emit in choices:
+                seq = Sequence(self._next_id, list(prompt_ids), params, emit)
+                self._next_id += 1
+                if params.seed is not None and params.temperature > 0:
+                    seq.generator = torch.Generator().manual_seed(params.seed)
+                seqs.append(seq)
+            for first in range(0, len(seqs), size):
+                leader, *followers = seqs[first:first + size]
+                leader.followers = followers
+                for follower in followers:
+                    follower.leader = leader
+                self._waiting.append(leader)
         self._wake.set()
-        return seq
+        return seqs
+
+    def _waiting_count(self) -> int:
+        return sum(1 + len(seq.followers) for seq in self._waiting)
 
     def cancel(self, seq: Sequence) -> None:
         """The client went away: free its slot at the next step; no more events are sent."""
@@ -228,7 +255,7 @@ class Engine:
 
     def load(self) -> dict[str, int]:
         with self._lock:
-            return {"running": len(self._running), "waiting": len(self._waiting)}
+            return {"running": len(self._running), "waiting": self._waiting_count()}
 
     def start(self) -> None:
         if self._thread is not None:
@@ -307,7 +334,7 @@ class Engine:
         for seq in [s for s in self._running if s.cancelled or s.finished]:
             self._release(seq)
         self._admit()
-        prefilling = [s for s in self._running if s.reading_prompt]
+        prefilling = [s for s in self._running if s.reading_prompt and s.leader is None]
         decoding = [s for s in self._running if not s.reading_prompt]
         if not prefilling and not decoding:
             return False
@@ -326,12 +353,17 @@ class Engine:
                 if seq.cancelled:
                     self._waiting.popleft()
                     self.counters.cancelled += 1
+                    if (heir := self._promote(seq)) is not None:
+                        self._waiting.appendleft(heir)
                     continue
-                if not self.cache.can_open(seq.tokens_needed):
+                group = [seq] + seq.followers
+                tokens = [s.tokens_needed for s in group]
+                if not self.cache.can_open_group(tokens, len(seq.prompt_ids)):
                     break
                 self._waiting.popleft()
-                seq.slot = self.cache.open(seq.tokens_needed)
-                self._running.append(seq)
+                for member, slot in zip(group, self.cache.open_group(tokens, len(seq.prompt_ids))):
+                    member.slot = slot
+                    self._running.append(member)
 
     def _guarded(self, seqs: list[Sequence], run: Callable[[list[Sequence]], None]) -> None:
         """Run a forward; if it raises, fail just these requests and keep serving."""
@@ -340,7 +372,8 @@ class Engine:
         except Exception as exc:
             log.exception("a forward failed")
             for seq in seqs:
-                self._fail(seq, f"generation failed: {exc}")
+                for member in [seq] + seq.followers:  # those waiting for its prompt would read it the same way
+                    self._fail(member, f"generation failed: {exc}")
 
     def _forward(self, slots: list[int], ids: list[list[int]]) -> torch.Tensor:
         """Append `ids` (one equal-length row per slot) to `slots`; last-position logits [B, V]."""
@@ -365,11 +398,41 @@ class Engine:
         seq.prefilled += len(chunk)
         self.counters.prompt_tokens += len(chunk)
         if not seq.reading_prompt:
+            group = [seq] + self._fork_followers(seq)
             if seq.params.max_tokens == 0:
-                self._finish(seq, "length", final_text="")
+                for member in group:
+                    self._finish(member, "length", final_text="")
                 return
-            token = self._choose([seq], logits)[0]
-            self._accept(seq, token, self._logprobs([seq], logits, [token])[0])
+            logits = logits.expand(len(group), -1).contiguous()  # each choice draws its first token from them
+            tokens = self._choose(group, logits)
+            for member, token, logprob in zip(group, tokens, self._logprobs(group, logits, tokens)):
+                self._accept(member, token, logprob)
+
+    def _fork_followers(self, seq: Sequence) -> list[Sequence]:
+        """The choices waiting for `seq`'s prompt take its cache now (`fork`) and, from here on, go alone."""
+        forked = []
+        for follower in seq.followers:
+            follower.leader = None
+            if follower.cancelled or follower.finished:
+                continue
+            self.cache.fork(seq.slot, follower.slot)
+            follower.prefilled = len(follower.prompt_ids)
+            follower.prompt_logprobs = list(seq.prompt_logprobs)
+            forked.append(follower)
+        seq.followers = []
+        return forked
+
+    @staticmethod
+    def _promote(seq: Sequence) -> Sequence | None:
+        """`seq` goes away before its followers took its prompt: the first one still wanted reads it instead."""
+        live = [f for f in seq.followers if not (f.cancelled or f.finished)]
+        seq.followers = []
+        if not live:
+            return None
+        heir, heir.leader, heir.followers = live[0], None, live[1:]
+        for follower in heir.followers:
+            follower.leader = heir
+        return heir
 
     def _decode(self, seqs: list[Sequence]) -> None:
         slots, last = [s.slot for s in seqs], [s.generated[-1] for s in seqs]
@@ -497,6 +560,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         if seq.cancelled and not seq.finished:
             self.counters.cancelled += 1
+        self._promote(seq)  # followers still waiting for its prompt (they hold their slots)
         self._running.remove(seq)
         if seq.slot >= 0:
             self.cache.close(seq.slot)

@@ -240,6 +240,7 @@ class ThroughputReport:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    choices: int = 1
     all_started_s: float = 0.0
     window_s: float = 0.0
     window_tokens: int = 0
@@ -254,12 +255,14 @@ class ThroughputReport:
 
 
 async def measure_throughput(url: str, clients: int, prompt_tokens: int, max_tokens: int, vocab: int,
-                             seed: int = 0, temperature: float = 0.0, top_p: float = 1.0) -> ThroughputReport:
+                             seed: int = 0, temperature: float = 0.0, top_p: float = 1.0,
+                             choices: int = 1) -> ThroughputReport:
     """Send `clients` streaming requests of `prompt_tokens` random token ids at once; once every one
     has its first token, count the server's generated tokens (/metrics) over a window that ends
     before any request can finish. Prompts are token ids, so lengths are exact. temperature 0: greedy;
-    else every request samples with that temperature and top_p."""
-    report = ThroughputReport(clients, prompt_tokens, max_tokens, temperature, top_p)
+    else every request samples with that temperature and top_p. choices: OpenAI's `n` of every request (the
+    server runs clients × choices sequences)."""
+    report = ThroughputReport(clients, prompt_tokens, max_tokens, temperature, top_p, choices)
     rng = random.Random(seed)
     started = asyncio.Event()
     first_seen = 0
@@ -272,7 +275,7 @@ async def measure_throughput(url: str, clients: int, prompt_tokens: int, max_tok
             nonlocal first_seen
             body = {"model": model, "prompt": [rng.randrange(vocab) for _ in range(prompt_tokens)],
                     "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stream": True,
-                    "ignore_eos": True}
+                    "ignore_eos": True, "n": choices}
             counted = False
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
