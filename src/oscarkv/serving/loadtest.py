@@ -258,7 +258,7 @@ async def measure_throughput(url: str, clients: int, prompt_tokens: int, max_tok
                              seed: int = 0, temperature: float = 0.0, top_p: float = 1.0,
                              choices: int = 1) -> ThroughputReport:
     """Send `clients` streaming requests of `prompt_tokens` random token ids at once; once every one
-    has its first token, count the server's generated tokens (/metrics) over a window that ends
+    has its first token (every choice of it), count the server's generated tokens (/metrics) over a window that ends
     before any request can finish. Prompts are token ids, so lengths are exact. temperature 0: greedy;
     else every request samples with that temperature and top_p. choices: OpenAI's `n` of every request (the
     server runs clients × choices sequences)."""
@@ -276,16 +276,18 @@ async def measure_throughput(url: str, clients: int, prompt_tokens: int, max_tok
             body = {"model": model, "prompt": [rng.randrange(vocab) for _ in range(prompt_tokens)],
                     "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stream": True,
                     "ignore_eos": True, "n": choices}
-            counted = False
+            begun: set[int] = set()  # the choices that have sent their first token
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     report.failed += 1
                     return
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {") and not counted:
-                        counted = True
-                        first_seen += 1
-                        if first_seen == clients:
+                    if line.startswith("data: {") and len(begun) < choices:
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            if choice["index"] not in begun:
+                                begun.add(choice["index"])
+                                first_seen += 1
+                        if first_seen == clients * choices:
                             started.set()
                     if line == "data: [DONE]":
                         report.completed += 1
