@@ -167,7 +167,7 @@ def test_generate_routes_only_plain_greedy_calls_on_cuda():
     assert sampled["sampling"] == Sampling(1.0, 50, 0.9)  # transformers' defaults where the call sets nothing
     copies = static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "do_sample": True,
                                                        "num_return_sequences": 3})
-    assert torch.equal(copies["input_ids"], ids.repeat_interleave(3, dim=0))
+    assert copies["input_ids"] is ids and copies["copies"] == 3
     penalized = static_generate_arguments(model, (ids,), {"max_new_tokens": 4, "repetition_penalty": 1.2})
     assert penalized["repetition_penalty"] == 1.2
     for extra in ({"num_return_sequences": 2}, {"num_beams": 2}, {"no_repeat_ngram_size": 2}, {"streamer": object()}, {"min_p": 0.1},
@@ -227,18 +227,45 @@ def test_sampled_static_generation_is_seeded_and_top_k_1_is_greedy(graphs):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="generate() takes the static path on CUDA only")
 def test_sampled_generate_with_copies_runs_the_static_path():
-    """generate(do_sample=True, num_return_sequences=3) is the static path over the batch expanded as
-    transformers expands it: the same tokens as generate_static on the repeated rows, from the same seed."""
+    """generate(do_sample=True, num_return_sequences=3) is the static path with copies=3: the same tokens as
+    generate_static from the same seed, in transformers' row order (the copies of a prompt together)."""
     model = _model("oscar")
     ids = _ids(30, batch=2).to(DEVICE)
     settings = dict(do_sample=True, temperature=1.5, max_new_tokens=8, pad_token_id=0)
     torch.manual_seed(0)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), num_return_sequences=3, **settings)
     torch.manual_seed(0)
-    expected = generate_static(model, ids.repeat_interleave(3, dim=0), 8, pad_token_id=0,
-                               sampling=Sampling(1.5, 50, 1.0))
+    expected = generate_static(model, ids, 8, pad_token_id=0, sampling=Sampling(1.5, 50, 1.0), copies=3)
     assert torch.equal(out, expected) and out.shape == (6, 38)
+    assert torch.equal(out[:, :30], ids.repeat_interleave(3, dim=0))
     assert len({tuple(row) for row in out[:3, 30:].tolist()}) > 1  # the copies of a prompt sample apart
+
+
+@pytest.mark.parametrize("method", ["oscar", "bf16"])
+def test_copies_read_each_prompt_once_and_equal_the_repeated_batch(method):
+    """copies=3 (num_return_sequences) reads each of two prompts once, the second left-padded, and forks it:
+    greedy and seeded sampled tokens equal those of the batch with every prompt repeated three times. The
+    prompt reaches the INT2 history pages, which the copies share."""
+    model = _model(method)
+    ids = _ids(150, batch=2).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    forwards = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: forwards.append(args[0].shape))
+    try:
+        for sampling in (None, Sampling(temperature=1.5)):
+            runs = []
+            for batch, copies in ((ids, 3), (ids.repeat_interleave(3, dim=0), 1)):
+                forwards.clear()
+                torch.manual_seed(0)
+                runs.append(generate_static(model, batch, 10, graphs=False, backend=PAGED_BACKEND, sampling=sampling,
+                                            attention_mask=mask.repeat_interleave(4 - copies, dim=0), copies=copies))
+                if copies == 3:
+                    assert forwards[:2] == [(1, 150), (1, 141)]  # each prompt read once, then decode steps of 6
+                    assert all(shape == (6, 1) for shape in forwards[2:])
+            assert torch.equal(runs[0], runs[1]) and runs[0].shape == (6, 160)
+    finally:
+        hook.remove()
 
 
 def test_generate_static_refuses_bad_requests():

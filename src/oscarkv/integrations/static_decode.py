@@ -35,6 +35,7 @@ from .decode_attention import fused_decode_attention
 from .fused_ops import compiled_small_ops
 from .gemv import gemv_linears
 from .norms import triton_norms
+from .paged import paged_layouts
 from .slots import DenseSlotCache, PagedSlotCache
 from .transformers import cache_keyword
 
@@ -268,8 +269,11 @@ class _StepBuffers:
                    torch.zeros(1, dtype=torch.long, device=device), None if seen is None else seen.clone())
 
 
-def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto") -> SlotCache:
-    """The slot cache of a patched model's method: paged INT2/INT4, or dense BF16 for `bf16`."""
+def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto", copies: int = 1,
+                   shared_tokens: int = 0) -> SlotCache:
+    """The slot cache of a patched model's method: paged INT2/INT4, or dense BF16 for `bf16`. Pages for `batch`
+    sequences of max_context tokens, in groups of `copies` that share the history pages of their first
+    `shared_tokens` (`generate_static`'s copies)."""
     state = model.oscar
     device = next(model.parameters()).device
     if not state.cache.quantize_history:
@@ -281,6 +285,8 @@ def slot_cache_for(model, batch: int, max_context: int, backend: str = "auto") -
     replace(state, cache=replace(state.cache, kernel="paged")).uses_paged(device)  # raises, naming the reason,
     # where the paged cache cannot take the model
     pages = PagedSlotCache.pages_for_budget(state, batch, max_context, None)
+    layout = paged_layouts(state.specs, state.cache, state.kv_heads, state.head_dim)[0]
+    pages -= (batch - batch // copies) * layout.pages_needed(shared_tokens)
     return PagedSlotCache(state, batch, pages, max_context, device, backend)
 
 
@@ -294,7 +300,7 @@ def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
                     pad_token_id: int | None = None, graphs: bool | None = None,
                     max_context: int | None = None, backend: str = "auto",
                     attention_mask: torch.Tensor | None = None, sampling: Sampling | None = None,
-                    repetition_penalty: float = 1.0) -> torch.Tensor:
+                    repetition_penalty: float = 1.0, copies: int = 1) -> torch.Tensor:
     """Greedy generation through the static decode path (or sampled, with `sampling`); returns
     [B, prompt + new] like `generate`. repetition_penalty: transformers' (over input_ids, padding
     included as transformers does, and the new tokens), applied before sampling.
@@ -304,12 +310,16 @@ def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
     (default: prompt + max_new_tokens). backend: the cache's kernels ("auto": Triton on CUDA).
     attention_mask [B, prompt]: left padding only; each padded row's prompt is read without its padding
     (one forward per row), and the rows then decode together from their own lengths.
+    copies: transformers' num_return_sequences; the output has `copies` rows per prompt, in order. Each prompt
+    is read once, and its copies take its cache (`fork`: the INT2 history pages shared, the windows copied).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise OscarError(f"input_ids must be [batch, prompt tokens] with a non-empty prompt, got "
                          f"{tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
         raise OscarError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+    if copies < 1:
+        raise OscarError(f"copies={copies} must be >= 1.")
     b, n = input_ids.shape
     context = max_context or n + max_new_tokens
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -321,13 +331,20 @@ def generate_static(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
     pad = [0] * b if attention_mask is None else left_padding(attention_mask).tolist()
     if max(pad) >= n:
         raise OscarError("a row of the batch is all padding; give every row at least one token.")
-    cache = slot_cache_for(model, b, context, backend)
-    slots = [cache.open(n - p + max_new_tokens) for p in pad]
+    cache = slot_cache_for(model, b * copies, context, backend, copies, n - max(pad))
+    groups = [cache.open_group([n - p + max_new_tokens] * copies, n - p) for p in pad]
+    readers = [group[0] for group in groups]
     if any(pad):
         logits = torch.cat([forward_slots(model, cache, [slot], input_ids[i:i + 1, p:])
-                            for i, (slot, p) in enumerate(zip(slots, pad))])
+                            for i, (slot, p) in enumerate(zip(readers, pad))])
     else:
-        logits = forward_slots(model, cache, slots, input_ids)
+        logits = forward_slots(model, cache, readers, input_ids)
+    for reader, *others in groups:
+        for slot in others:
+            cache.fork(reader, slot)
+    slots = [slot for group in groups for slot in group]
+    if copies > 1:
+        input_ids, logits = input_ids.repeat_interleave(copies, dim=0), logits.repeat_interleave(copies, dim=0)
     seen = None
     if repetition_penalty != 1.0:
         seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(
@@ -414,9 +431,6 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
     copies = _setting("num_return_sequences", config, kwargs, 1)
     if copies > 1 and sampling is None:  # transformers' loop refuses it for greedy search, with its message
         return None
-    if copies > 1:
-        input_ids = input_ids.repeat_interleave(copies, dim=0)  # as transformers expands the batch
-        mask = None if mask is None else mask.repeat_interleave(copies, dim=0)
     max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
     if max_new is None:
         return None
@@ -430,6 +444,6 @@ def static_generate_arguments(model, args: tuple, kwargs: dict) -> dict | None:
         except OscarError:
             return None
     return dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=int(max_new), sampling=sampling,
-                repetition_penalty=float(penalty),
+                repetition_penalty=float(penalty), copies=int(copies),
                 eos_token_id=kwargs.get("eos_token_id", config.eos_token_id),
                 pad_token_id=kwargs.get("pad_token_id", config.pad_token_id))
