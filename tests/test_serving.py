@@ -62,6 +62,17 @@ def _drain(engine, limit=2000):
     raise AssertionError("the engine did not go idle")
 
 
+def _assert_only_retained_caches_hold(engine):
+    """After the requests: the slots and pages in use are those of the retained caches (kept for reuse), and
+    freeing them leaves nothing held or promised."""
+    slots, pages = engine.retained_usage()
+    usage = engine.cache.usage()
+    assert (usage.slots_used, usage.pages_used) == (slots, pages)
+    engine.forget_prefixes()
+    usage = engine.cache.usage()
+    assert usage.slots_used == usage.pages_used == usage.pages_promised == 0
+
+
 def _capture_tokens(engine) -> dict[int, list[int]]:
     """The tokens the engine accepts from now on, per request id (wraps `Engine._accept`)."""
     captured = {}
@@ -81,8 +92,9 @@ def _reference_tokens(engine, prompt, n, chunk=None):
     return _reference_run(engine, prompt, n, chunk)[0]
 
 
-def _reference_run(engine, prompt, n, chunk=None):
-    """`_reference_tokens` and the log-softmax of the logits [n, V] each token was chosen from."""
+def _reference_run(engine, prompt, n, chunk=None, feeds=None):
+    """`_reference_tokens` and the log-softmax of the logits [n, V] each token was chosen from. feeds: the
+    forwards that read the prompt, if not chunks of `chunk` (token lists, in order)."""
     model, state = engine.model, engine.model.oscar
     if isinstance(engine.cache, PagedSlotCache):
         cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, engine.config.max_context,
@@ -90,10 +102,11 @@ def _reference_run(engine, prompt, n, chunk=None):
     else:
         cache = state.new_cache("cpu")
     chunk = chunk or len(prompt)
+    feeds = feeds or [prompt[start:start + chunk] for start in range(0, len(prompt), chunk)]
     tokens, logprobs = [], []
     with torch.no_grad():
-        for start in range(0, len(prompt), chunk):
-            logits = model(torch.tensor([prompt[start:start + chunk]]), past_key_values=cache).logits
+        for feed in feeds:
+            logits = model(torch.tensor([feed]), past_key_values=cache).logits
         for _ in range(n):
             tokens.append(int(logits[0, -1].argmax()))
             logprobs.append(torch.log_softmax(logits[0, -1].float(), dim=-1))
@@ -116,8 +129,7 @@ def test_batched_engine_equals_one_sequence_generate_across_page_flushes():
     for i, prompt in enumerate(prompts):
         assert tokens[i][-1].kind == "done" and tokens[i][-1].finish_reason == "length"
         assert captured[i] == _reference_tokens(engine, prompt, 24, chunk=40), f"request {i}"
-    usage = engine.cache.usage()
-    assert usage.slots_used == 0 and usage.pages_used == 0 and usage.pages_promised == 0
+    _assert_only_retained_caches_hold(engine)
 
 
 @pytest.mark.parametrize("chunk", [512, 8])
@@ -209,8 +221,7 @@ def test_choices_read_their_prompt_once_and_go_on_as_separate_requests(method):
     assert engine.counters.prompt_tokens == len(prompt)
     if method == "hadamard":
         assert shared == 5 and pages_after_prompt == shared  # not 3 × 5
-    usage = engine.cache.usage()
-    assert usage.slots_used == usage.pages_used == usage.pages_promised == 0
+    _assert_only_retained_caches_hold(engine)
     _assert_choices_equal_single_requests(engine, prompt, sampled=True)
 
 
@@ -229,8 +240,7 @@ def _assert_choices_equal_single_requests(engine, prompt, sampled):
         _drain(engine)
         alone.append(captured[seq.id])
     assert together == alone and len({tuple(t) for t in alone}) == (3 if sampled else 1)
-    usage = engine.cache.usage()
-    assert usage.slots_used == usage.pages_used == usage.pages_promised == 0
+    _assert_only_retained_caches_hold(engine)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and CUDA graphs of a GPU engine")
@@ -270,8 +280,61 @@ def test_choices_share_their_promise_and_a_cancelled_first_choice_hands_on_the_p
     reference = _reference_tokens(engine, prompt, 6, chunk=40)
     assert not outs[0].done and [captured[s.id] for s in seqs[1:]] == [reference] * 2
     assert engine.counters.prompt_tokens == 40 + len(prompt)
-    usage = engine.cache.usage()
-    assert usage.slots_used == usage.pages_used == usage.pages_promised == 0
+    _assert_only_retained_caches_hold(engine)
+
+
+@pytest.mark.parametrize("method", ["hadamard", "bf16"])
+def test_a_conversations_next_turn_reads_only_its_new_tokens(method):
+    """Turn 2's prompt is turn 1's prompt, its 20 tokens and 30 new ones. Turn 1's cache (its prompt and 19 of
+    its tokens: the last was never read) stays in its slot, so turn 2 takes it and reads 31 tokens, and its
+    tokens equal a reference that read the same tokens in the same forwards. Without prefix reuse, turn 2
+    reads its whole prompt; a prompt that differs inside the retained tokens, or one that asks for its own
+    log-probabilities (every position's logits), reads it all too."""
+    def turn(engine, prompt, **extra):
+        captured = _capture_tokens(engine)
+        seq = engine.submit(prompt, SamplingParams(max_tokens=20, **extra), Collector())
+        _drain(engine)
+        return captured[seq.id]
+
+    first = _prompt(131, seed=4)
+    for reuse in (True, False):
+        engine = _tiny_engine(method, prefill_chunk=40, prefix_reuse=reuse)
+        reply = turn(engine, first)
+        second = first + reply + _prompt(30, seed=5)
+        tokens = turn(engine, second)
+        held = len(first) + 19
+        if reuse:
+            assert (engine.counters.prefix_hits, engine.counters.reused_tokens) == (1, held)
+            assert engine.counters.prompt_tokens == len(first) + len(second) - held
+            feeds = [first[i:i + 40] for i in range(0, len(first), 40)] + [[t] for t in reply[:19]] + [second[held:]]
+            assert tokens == _reference_run(engine, second, 20, feeds=feeds)[0]
+            changed = second[:140] + [(second[140] + 1) % VOCAB] + second[141:]
+            turn(engine, changed)
+            turn(engine, second, prompt_logprobs=0)
+            assert engine.counters.prefix_hits == 1
+            _assert_only_retained_caches_hold(engine)
+        else:
+            assert engine.counters.prefix_hits == 0 and engine.counters.prompt_tokens == len(first) + len(second)
+            assert tokens == _reference_tokens(engine, second, 20, chunk=40)
+            assert engine.retained == [] and engine.cache.usage().slots_used == 0
+
+
+def test_retained_caches_give_way_to_new_requests_least_recently_used_first():
+    """Two slots, three conversations: each new request takes a slot from the least recently used retained
+    cache, so every request runs; the latest conversations' caches are the ones kept and reused."""
+    engine = _tiny_engine(max_seqs=2, prefill_chunk=40)
+    replies = {}
+    for i in range(3):
+        prompt = _prompt(50, seed=10 + i)
+        engine.submit(prompt, SamplingParams(max_tokens=5), lambda e, i=i: replies.setdefault(i, []).append(e))
+        _drain(engine)
+    assert [r[-1].kind for r in replies.values()] == ["done"] * 3
+    assert sorted(r.tokens[:50] for r in engine.retained) == sorted(_prompt(50, seed=10 + i) for i in (1, 2))
+    kept = engine.retained[-1].tokens
+    engine.submit(kept + [1, 2, 3], SamplingParams(max_tokens=3), Collector())
+    _drain(engine)
+    assert engine.counters.prefix_hits == 1 and engine.counters.reused_tokens == len(kept)
+    _assert_only_retained_caches_hold(engine)
 
 
 def test_full_queue_answers_503_and_cancelled_requests_free_their_slot():
@@ -289,7 +352,7 @@ def test_full_queue_answers_503_and_cancelled_requests_free_their_slot():
     _drain(engine)
     assert not first.done  # a cancelled request gets no further events
     assert second.done and engine.counters.cancelled == 1
-    assert engine.cache.usage().slots_used == 0 and engine.cache.usage().pages_used == 0
+    _assert_only_retained_caches_hold(engine)
 
 
 def _warm_up_chunks(engine) -> list[int]:
@@ -719,7 +782,7 @@ def test_static_decode_steps_give_the_engine_the_same_tokens(method, device):
         _drain(engine)
         outputs.append([("".join(e.text for e in c.events if e.kind == "token"), c.events[-1].completion_tokens)
                         for c in collectors])
-        assert engine.cache.usage().slots_used == 0
+        _assert_only_retained_caches_hold(engine)
     assert outputs[0] == outputs[1]
     assert [count for _, count in outputs[0]] == [12, 16, 20]
 

@@ -439,7 +439,7 @@ def cmd_serve(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device)
     config = EngineConfig(max_seqs=args.max_seqs, max_context=args.max_context or min(
         4096, getattr(model.config, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
-        max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs)
+        max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs, prefix_reuse=not args.no_prefix_reuse)
     budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
     engine = build_engine(model, tokenizer, args.method, args.rotations, config, budget,
                           cache=CacheConfig(compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas))
@@ -675,6 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before HTTP 503")
     p.add_argument("--device", default=None)
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="close each finished sequence's slot at once instead of keeping its cache for a next request "
+                        "whose prompt begins with its tokens (a conversation's next turn)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run every decode step eagerly instead of replaying a CUDA graph per batch size")
     p.add_argument("--eager-small-ops", action="store_true",

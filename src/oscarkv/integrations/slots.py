@@ -167,6 +167,10 @@ class PagedSlotCache(_OneSlot, PagedOscarCache):
         """The open, empty slot `into` takes what `source` holds: its history pages shared, its windows copied."""
         self.storage.fork(source, into)
 
+    def held_units(self, slots: list[int]) -> int:
+        """Distinct pages that `slots` hold (a shared page once)."""
+        return len({page for slot in slots for page in self.storage.pages[slot]})
+
     def close(self, slot: int) -> None:
         self.book.give_back(slot)
         self.storage.close_slot(slot)
@@ -342,6 +346,9 @@ class DenseSlotCache(_OneSlot, DynamicCache):
             slots.append(self.book.take(self.book.lowest_free(), 0))
             self.lengths[slots[-1]] = 0
         return slots
+
+    def held_units(self, slots: list[int]) -> int:
+        return 0
 
     def fork(self, source: int, into: int) -> None:
         """The empty slot `into` takes a copy of the K and V that `source` holds."""

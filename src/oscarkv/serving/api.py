@@ -387,15 +387,18 @@ def _metrics_text(engine: Engine) -> str:
     usage = engine.cache.usage()
     load = engine.load()
     c = engine.counters
+    retained_slots, retained_pages = engine.retained_usage()
     rows = [
         ("oscarkv_kv_pages_total", "gauge", "INT2 history pages in the pool", usage.pages_total),
-        ("oscarkv_kv_pages_used", "gauge", "pages holding history now", usage.pages_used),
+        ("oscarkv_kv_pages_used", "gauge", "pages holding history now (retained caches included)", usage.pages_used),
         ("oscarkv_kv_pages_free", "gauge", "pages not holding history", usage.pages_total - usage.pages_used),
         ("oscarkv_kv_pages_promised", "gauge", "pages promised to admitted requests", usage.pages_promised),
         ("oscarkv_kv_bytes_total", "gauge", "bytes of all KV cache tensors", usage.bytes_total),
         ("oscarkv_kv_bytes_used", "gauge", "bytes of KV held for open sequences", usage.bytes_used),
         ("oscarkv_slots_total", "gauge", "sequence slots", usage.slots_total),
-        ("oscarkv_slots_used", "gauge", "sequence slots in use", usage.slots_used),
+        ("oscarkv_slots_used", "gauge", "sequence slots in use (retained caches included)", usage.slots_used),
+        ("oscarkv_prefix_slots", "gauge", "slots holding a finished sequence's cache for reuse", retained_slots),
+        ("oscarkv_prefix_pages", "gauge", "pages the retained caches hold", retained_pages),
         ("oscarkv_requests_running", "gauge", "requests holding a slot", load["running"]),
         ("oscarkv_requests_waiting", "gauge", "requests queued for a slot", load["waiting"]),
         ("oscarkv_requests_completed_total", "counter", "requests that ended normally", c.completed),
@@ -403,6 +406,9 @@ def _metrics_text(engine: Engine) -> str:
         ("oscarkv_requests_failed_total", "counter", "requests ended by an error", c.failed),
         ("oscarkv_requests_rejected_total", "counter", "requests refused at submission", c.rejected),
         ("oscarkv_prompt_tokens_total", "counter", "prompt tokens prefilled", c.prompt_tokens),
+        ("oscarkv_prefix_hits_total", "counter", "requests started from a retained cache", c.prefix_hits),
+        ("oscarkv_prefix_reused_tokens_total", "counter", "prompt tokens taken from retained caches, not read",
+         c.reused_tokens),
         ("oscarkv_generation_tokens_total", "counter", "tokens generated", c.generated_tokens),
         ("oscarkv_engine_steps_total", "counter", "scheduler steps run", c.steps),
         ("oscarkv_engine_step_seconds_total", "counter", "seconds spent in scheduler steps", round(c.step_seconds, 6)),

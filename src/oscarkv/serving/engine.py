@@ -80,13 +80,16 @@ class EngineConfig:
     """max_seqs: sequences decoded together; max_context: prompt + output tokens per request;
     prefill_chunk: prompt tokens per prefill forward; max_waiting: queued requests before
     new ones get HTTP 503; cuda_graphs: on CUDA, replay each decode step from a CUDA graph
-    captured per batch size (`DecodeGraphs`)."""
+    captured per batch size (`DecodeGraphs`); prefix_reuse: keep each finished sequence's cache in its
+    slot until the slot or its pages are needed, and start a request whose prompt begins with one of
+    them from it (`Retained`: the next turn of a conversation reads only its new tokens)."""
 
     max_seqs: int = 32
     max_context: int = 4096
     prefill_chunk: int = 512
     max_waiting: int = 256
     cuda_graphs: bool = True
+    prefix_reuse: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_context", "prefill_chunk", "max_waiting"):
@@ -143,6 +146,7 @@ class Sequence:
     text_sent: int = 0
     cancelled: bool = False
     finished: bool = False
+    failed: bool = False
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
@@ -162,6 +166,15 @@ class Sequence:
 
 
 @dataclass
+class Retained:
+    """A finished sequence's cache, kept in its slot for reuse: `tokens` are the ones it holds, in order."""
+
+    slot: int
+    tokens: list[int]
+    used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class EngineCounters:
     """Totals since start, for /metrics."""
 
@@ -170,6 +183,8 @@ class EngineCounters:
     failed: int = 0
     rejected: int = 0
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens taken from a retained sequence's cache instead of read
+    prefix_hits: int = 0
     generated_tokens: int = 0
     steps: int = 0
     step_seconds: float = 0.0
@@ -185,6 +200,7 @@ class Engine:
         self.counters = EngineCounters()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
+        self.retained: list[Retained] = []  # engine thread only
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -358,12 +374,50 @@ class Engine:
                     continue
                 group = [seq] + seq.followers
                 tokens = [s.tokens_needed for s in group]
+                source = self._retained_prefix(seq)
                 if not self.cache.can_open_group(tokens, len(seq.prompt_ids)):
+                    if self._evict(keep=source):
+                        continue
                     break
                 self._waiting.popleft()
                 for member, slot in zip(group, self.cache.open_group(tokens, len(seq.prompt_ids))):
                     member.slot = slot
                     self._running.append(member)
+                if source is not None:  # the prompt's first tokens are in a retained cache: take it
+                    self.cache.fork(source.slot, seq.slot)
+                    seq.prefilled = len(source.tokens)
+                    source.used = time.monotonic()
+                    self.counters.prefix_hits += 1
+                    self.counters.reused_tokens += len(source.tokens)
+
+    def _retained_prefix(self, seq: Sequence) -> Retained | None:
+        """The retained cache holding the longest start of seq's prompt (at least one prompt token left to read,
+        for the logits), if any; none for a request that scores its prompt (every position's logits)."""
+        if seq.params.prompt_logprobs is not None:
+            return None
+        prompt = seq.prompt_ids
+        fits = [r for r in self.retained if len(r.tokens) < len(prompt) and prompt[:len(r.tokens)] == r.tokens]
+        return max(fits, key=lambda r: len(r.tokens), default=None)
+
+    def _evict(self, keep: Retained | None = None) -> bool:
+        """Free the least recently used retained cache (not `keep`); False if there is none to free."""
+        candidates = [r for r in self.retained if r is not keep]
+        if not candidates:
+            return False
+        oldest = min(candidates, key=lambda r: r.used)
+        self.retained.remove(oldest)
+        self.cache.close(oldest.slot)
+        return True
+
+    def retained_usage(self) -> tuple[int, int]:
+        """(slots, distinct pages) the retained caches hold (for /metrics; any thread)."""
+        slots = [r.slot for r in list(self.retained)]
+        return len(slots), self.cache.held_units(slots)
+
+    def forget_prefixes(self) -> None:
+        """Free every retained cache (engine thread, or while the engine is stopped)."""
+        while self._evict():
+            pass
 
     def _guarded(self, seqs: list[Sequence], run: Callable[[list[Sequence]], None]) -> None:
         """Run a forward; if it raises, fail just these requests and keep serving."""
@@ -551,7 +605,7 @@ class Engine:
     def _fail(self, seq: Sequence, message: str) -> None:
         if not seq.finished and not seq.cancelled:
             seq.emit(Event("error", message))
-        seq.finished = True
+        seq.finished = seq.failed = True
         self.counters.failed += 1
         with self._lock:
             if seq in self._waiting:
@@ -562,9 +616,14 @@ class Engine:
             self.counters.cancelled += 1
         self._promote(seq)  # followers still waiting for its prompt (they hold their slots)
         self._running.remove(seq)
-        if seq.slot >= 0:
+        if seq.slot < 0:
+            return
+        held = self.cache.length(seq.slot)
+        if self.config.prefix_reuse and seq.finished and not seq.cancelled and not seq.failed and held:
+            self.retained.append(Retained(seq.slot, (seq.prompt_ids + seq.generated)[:held]))
+        else:
             self.cache.close(seq.slot)
-            seq.slot = -1
+        seq.slot = -1
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
