@@ -310,8 +310,11 @@ def test_a_conversations_next_turn_reads_only_its_new_tokens(method):
             assert tokens == _reference_run(engine, second, 20, feeds=feeds)[0]
             changed = second[:140] + [(second[140] + 1) % VOCAB] + second[141:]
             turn(engine, changed)
-            turn(engine, second, prompt_logprobs=0)
             assert engine.counters.prefix_hits == 1
+            turn(engine, engine.retained[-1].tokens + [7], prompt_logprobs=0)
+            assert engine.counters.prefix_hits == 1
+            turn(engine, engine.retained[-1].tokens + [7])
+            assert engine.counters.prefix_hits == 2
             _assert_only_retained_caches_hold(engine)
         else:
             assert engine.counters.prefix_hits == 0 and engine.counters.prompt_tokens == len(first) + len(second)
@@ -319,9 +322,9 @@ def test_a_conversations_next_turn_reads_only_its_new_tokens(method):
             assert engine.retained == [] and engine.cache.usage().slots_used == 0
 
 
-def test_retained_caches_give_way_to_new_requests_least_recently_used_first():
-    """Two slots, three conversations: each new request takes a slot from the least recently used retained
-    cache, so every request runs; the latest conversations' caches are the ones kept and reused."""
+def test_retained_caches_give_way_to_new_requests_oldest_first():
+    """Two slots, three conversations: a new request takes the slot of the oldest retained cache, so every
+    request runs; the latest conversations' caches are the ones kept, and a next turn goes on in its slot."""
     engine = _tiny_engine(max_seqs=2, prefill_chunk=40)
     replies = {}
     for i in range(3):
@@ -330,10 +333,12 @@ def test_retained_caches_give_way_to_new_requests_least_recently_used_first():
         _drain(engine)
     assert [r[-1].kind for r in replies.values()] == ["done"] * 3
     assert sorted(r.tokens[:50] for r in engine.retained) == sorted(_prompt(50, seed=10 + i) for i in (1, 2))
-    kept = engine.retained[-1].tokens
-    engine.submit(kept + [1, 2, 3], SamplingParams(max_tokens=3), Collector())
+    kept = engine.retained[-1]
+    seq = engine.submit(kept.tokens + [1, 2, 3], SamplingParams(max_tokens=3), Collector())
+    engine.step()
+    assert seq.slot == kept.slot and kept not in engine.retained
     _drain(engine)
-    assert engine.counters.prefix_hits == 1 and engine.counters.reused_tokens == len(kept)
+    assert engine.counters.prefix_hits == 1 and engine.counters.reused_tokens == len(kept.tokens)
     _assert_only_retained_caches_hold(engine)
 
 
@@ -531,6 +536,10 @@ def test_prompt_logprobs_score_every_prompt_token():
         assert abs(e.logprob - float(reference[j - 1, prompt[j]])) < 1e-4
         assert [t for t, _, _ in e.top] == reference[j - 1].topk(2).indices.tolist()
     assert "".join(e.text for e in scored[1:]) == engine.tokenizer.decode(prompt)[len(engine.tokenizer.decode(prompt[:1])):]
+    events = Collector()  # a last chunk of one token (49 = 2 · 24 + 1) has nothing to score but the reply
+    engine.submit(prompt[:49], SamplingParams(max_tokens=2, prompt_logprobs=0), events)
+    _drain(engine)
+    assert events.events[-1].kind == "done" and len(events.events[-1].prompt_logprobs) == 49
 
 
 def test_stop_strings_end_the_text_before_them():

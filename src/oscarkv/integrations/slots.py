@@ -91,7 +91,17 @@ class _SlotBook:
 
     @property
     def promised_total(self) -> int:
-        return sum(self.promised.values()) - sum((len(members) - 1) * units for units, members in self.groups)
+        return self.promised_without(None)
+
+    def promised_without(self, slot: int | None) -> int:
+        """The pages promised if `slot` were given back."""
+        members = [(units, group - {slot}) for units, group in self.groups]
+        return (sum(units for s, units in self.promised.items() if s != slot)
+                - sum((len(group) - 1) * units for units, group in members if len(group) > 1))
+
+    def free_count_with(self, slot: int | None) -> int:
+        """Slots free, with `slot` (an open one to be reused) counted as free."""
+        return self.free_count() + (slot is not None)
 
 
 def group_units(units_for, tokens: list[int], shared_tokens: int) -> int:
@@ -149,17 +159,24 @@ class PagedSlotCache(_OneSlot, PagedOscarCache):
     def capacity_units(self) -> int:
         return self.storage.allocator.num_pages
 
-    def can_open_group(self, tokens: list[int], shared_tokens: int) -> bool:
-        """Room now for sequences of `tokens` tokens that will share their first `shared_tokens` (`fork`)."""
+    def can_open_group(self, tokens: list[int], shared_tokens: int, adopt: int | None = None) -> bool:
+        """Room now for sequences of `tokens` tokens that will share their first `shared_tokens` (`fork`); the
+        first in the open slot `adopt`, if given (it goes on from what that slot holds)."""
         need = group_units(self.units_for, tokens, shared_tokens)
-        return self.book.free_count() >= len(tokens) and self.book.promised_total + need <= self.capacity_units()
+        return (self.book.free_count_with(adopt) >= len(tokens)
+                and self.book.promised_without(adopt) + need <= self.capacity_units())
 
-    def open_group(self, tokens: list[int], shared_tokens: int) -> list[int]:
-        """Open one slot per entry of `tokens`; the first reads the shared prompt, the others take it by
-        `fork` once it is read (their pages promised without the prompt's history pages)."""
-        if not self.can_open_group(tokens, shared_tokens):
+    def open_group(self, tokens: list[int], shared_tokens: int, adopt: int | None = None) -> list[int]:
+        """Open one slot per entry of `tokens` (the first: `adopt`, if given, promised anew); the first reads the
+        shared prompt, the others take it by `fork` once it is read (their pages promised without the prompt's
+        history pages)."""
+        if not self.can_open_group(tokens, shared_tokens, adopt):
             raise SlotError(f"no room for {len(tokens)} sequence(s) of up to {max(tokens)} tokens now.")
-        slots = [self.book.take(self.storage.open_slot(), self.units_for(t)) for t in tokens]
+        if adopt is not None:
+            self.book.give_back(adopt)
+        first = adopt if adopt is not None else self.storage.open_slot()
+        slots = [self.book.take(slot, self.units_for(t))
+                 for slot, t in zip([first] + [self.storage.open_slot() for _ in tokens[1:]], tokens)]
         self.book.group(slots, self.units_for(shared_tokens))
         return slots
 
@@ -334,15 +351,15 @@ class DenseSlotCache(_OneSlot, DynamicCache):
     def capacity_units(self) -> int:
         return 0
 
-    def can_open_group(self, tokens: list[int], shared_tokens: int) -> bool:
-        return self.book.free_count() >= len(tokens) and max(tokens) <= self.max_context
+    def can_open_group(self, tokens: list[int], shared_tokens: int, adopt: int | None = None) -> bool:
+        return self.book.free_count_with(adopt) >= len(tokens) and max(tokens) <= self.max_context
 
-    def open_group(self, tokens: list[int], shared_tokens: int) -> list[int]:
+    def open_group(self, tokens: list[int], shared_tokens: int, adopt: int | None = None) -> list[int]:
         """As `PagedSlotCache.open_group`; every slot owns its positions, so a fork copies the prompt's K and V."""
-        if not self.can_open_group(tokens, shared_tokens):
+        if not self.can_open_group(tokens, shared_tokens, adopt):
             raise SlotError(f"no room for {len(tokens)} sequence(s) of up to {max(tokens)} tokens now.")
-        slots = []
-        for _ in tokens:
+        slots = [] if adopt is None else [adopt]
+        while len(slots) < len(tokens):
             slots.append(self.book.take(self.book.lowest_free(), 0))
             self.lengths[slots[-1]] = 0
         return slots

@@ -81,8 +81,8 @@ class EngineConfig:
     prefill_chunk: prompt tokens per prefill forward; max_waiting: queued requests before
     new ones get HTTP 503; cuda_graphs: on CUDA, replay each decode step from a CUDA graph
     captured per batch size (`DecodeGraphs`); prefix_reuse: keep each finished sequence's cache in its
-    slot until the slot or its pages are needed, and start a request whose prompt begins with one of
-    them from it (`Retained`: the next turn of a conversation reads only its new tokens)."""
+    slot until the slot or its pages are needed (oldest first), and let a request whose prompt begins with one of
+    them go on in that slot (`Retained`: the next turn of a conversation reads only its new tokens)."""
 
     max_seqs: int = 32
     max_context: int = 4096
@@ -171,7 +171,7 @@ class Retained:
 
     slot: int
     tokens: list[int]
-    used: float = field(default_factory=time.monotonic)
+    kept: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -374,19 +374,20 @@ class Engine:
                     continue
                 group = [seq] + seq.followers
                 tokens = [s.tokens_needed for s in group]
+                # The prompt's first tokens in a retained cache: the request goes on in that slot.
                 source = self._retained_prefix(seq)
-                if not self.cache.can_open_group(tokens, len(seq.prompt_ids)):
+                adopt = None if source is None else source.slot
+                if not self.cache.can_open_group(tokens, len(seq.prompt_ids), adopt):
                     if self._evict(keep=source):
                         continue
                     break
                 self._waiting.popleft()
-                for member, slot in zip(group, self.cache.open_group(tokens, len(seq.prompt_ids))):
+                for member, slot in zip(group, self.cache.open_group(tokens, len(seq.prompt_ids), adopt)):
                     member.slot = slot
                     self._running.append(member)
-                if source is not None:  # the prompt's first tokens are in a retained cache: take it
-                    self.cache.fork(source.slot, seq.slot)
+                if source is not None:
+                    self.retained.remove(source)
                     seq.prefilled = len(source.tokens)
-                    source.used = time.monotonic()
                     self.counters.prefix_hits += 1
                     self.counters.reused_tokens += len(source.tokens)
 
@@ -400,11 +401,11 @@ class Engine:
         return max(fits, key=lambda r: len(r.tokens), default=None)
 
     def _evict(self, keep: Retained | None = None) -> bool:
-        """Free the least recently used retained cache (not `keep`); False if there is none to free."""
+        """Free the oldest retained cache (not `keep`); False if there is none to free."""
         candidates = [r for r in self.retained if r is not keep]
         if not candidates:
             return False
-        oldest = min(candidates, key=lambda r: r.used)
+        oldest = min(candidates, key=lambda r: r.kept)
         self.retained.remove(oldest)
         self.cache.close(oldest.slot)
         return True
@@ -531,6 +532,8 @@ class Engine:
     def _entries(self, logits: torch.Tensor, tokens: list[int], k: int, texts: list[str]) -> list[TokenLogprob]:
         """Row i of logits [N, V] scored at tokens[i]: its log-softmax there and the k most likely tokens (one
         log-softmax and one copy to the host for all rows)."""
+        if not tokens:  # a prompt's last chunk of one token scores nothing (its logits predict the reply)
+            return []
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(1, to_device([[t] for t in tokens], torch.long, logp.device))[:, 0].tolist()
         top_p, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
