@@ -197,9 +197,6 @@ class PageAllocator:
         for page in pages:
             self._holders[page] = self._holders.get(page, 1) + 1
 
-    def holders(self, page: int) -> int:
-        return self._holders.get(page, 1)
-
     def release(self, pages: list[int]) -> None:
         """A sequence lets go of `pages`; those no other sequence holds become free."""
         freed = []

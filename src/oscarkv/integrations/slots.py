@@ -66,10 +66,6 @@ class _SlotBook:
     def free_count(self) -> int:
         return self.max_slots - len(self.promised)
 
-    @property
-    def has_free(self) -> bool:
-        return self.free_count() > 0
-
     def lowest_free(self) -> int:
         return min(set(range(self.max_slots)) - self.promised.keys())
 

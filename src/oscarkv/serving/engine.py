@@ -416,7 +416,7 @@ class Engine:
         return len(slots), self.cache.held_units(slots)
 
     def forget_prefixes(self) -> None:
-        """Free every retained cache (engine thread, or while the engine is stopped)."""
+        """Free every retained cache (from the engine thread, or another while the engine is stopped or idle)."""
         while self._evict():
             pass
 
