@@ -636,6 +636,8 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": "x", "logit_bias": {"5": 150}}, 400, "outside [-100, 100]"),
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "best_of": 2, "n": 3}, 400, "at least n"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of with stream"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, needle):
     if isinstance(body, bytes):
@@ -726,6 +728,22 @@ def test_n_choices_streamed_and_not(client):
         mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
         assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 8
+
+
+@pytest_model
+def test_best_of_returns_the_choices_most_likely_per_token(client):
+    """best_of = 3 generates the three choices that n = 3 with the same seed gives, and returns the n best by
+    mean log-probability per token, best first; the usage counts every candidate's tokens."""
+    base = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    every = client.post("/v1/completions", json={**base, "n": 3, "logprobs": 0}).json()["choices"]
+    means = [sum(c["logprobs"]["token_logprobs"]) / 6 for c in every]
+    ranked = [every[i]["text"] for i in sorted(range(3), key=means.__getitem__, reverse=True)]
+    assert len(set(ranked)) == 3
+    for n in (1, 2):
+        best = client.post("/v1/completions", json={**base, "best_of": 3, "n": n}).json()
+        assert [c["text"] for c in best["choices"]] == ranked[:n]
+        assert [c["index"] for c in best["choices"]] == list(range(n))
+        assert best["choices"][0]["logprobs"] is None and best["usage"]["completion_tokens"] == 18
 
 
 @pytest_model

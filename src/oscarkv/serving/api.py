@@ -10,7 +10,8 @@ likely tokens at its position, in OpenAI's shapes, streamed or not. Completions'
 the completion, with the prompt tokens' log-probabilities (every position's logits in prefill; `max_tokens: 0`
 scores the prompt alone, as evaluation harnesses do); not when streaming. `presence_penalty`,
 `frequency_penalty` (over the tokens generated so far) and `logit_bias` are added to the logits before a token
-is chosen.
+is chosen. `n` choices read the prompt once (`Engine.submit_choices`); completions' `best_of` generates that
+many and returns the n with the highest mean log-probability per token (not streamed).
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 body or a request the context cannot hold, 404 for another model name, 503 when the queue
@@ -76,6 +77,11 @@ class _Body(BaseModel):
         """How many top alternatives to report per token (None: no log-probabilities)."""
         return None
 
+    @property
+    def candidates(self) -> int:
+        """Choices to generate; the n best are returned (`best_of`, completions only)."""
+        return self.n
+
 
 class CompletionBody(_Body):
     prompt: str | list[int] = Field(..., description="text, or token ids")
@@ -83,10 +89,17 @@ class CompletionBody(_Body):
     logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of the tokens and of the N "
                                                                 "most likely ones at each position")
     echo: bool = Field(False, description="the prompt before the completion, with its log-probabilities")
-    best_of: int | None = Field(None, ge=1, le=1, description="not done: every choice is returned (n)")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="generate this many choices and return "
+                                "the n with the highest log-probability per token (not streamed)")
 
     def unsupported(self) -> str | None:
-        return "echo with stream" if self.echo and self.stream else super().unsupported()
+        if self.echo and self.stream:
+            return "echo with stream"
+        return "best_of with stream" if self.stream and self.candidates > self.n else super().unsupported()
+
+    @property
+    def candidates(self) -> int:
+        return self.best_of or self.n
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -189,6 +202,9 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
                           "unsupported_parameter", field)
         if chat and body.top_logprobs is not None and not body.logprobs:
             return _error(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
+        if body.candidates < body.n:
+            return _error(400, f"best_of ({body.candidates}) must be at least n ({body.n}).", "invalid_request",
+                          "best_of")
         if not engine.alive:
             return _error(503, "the engine is not running; see /health.", "engine_down")
         try:
@@ -197,10 +213,12 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
             return _error(400, str(exc), "invalid_request", "logit_bias")
         stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
         echo = not chat and body.echo
+        ranked = body.candidates > body.n  # best_of: every candidate's token log-probabilities rank it
+        logprobs = body.logprobs_count()
         params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
-                                body.ignore_eos, body.logprobs_count(), body.presence_penalty,
-                                body.frequency_penalty, bias,
-                                prompt_logprobs=body.logprobs_count() if echo else None)
+                                body.ignore_eos, 0 if ranked and logprobs is None else logprobs,
+                                body.presence_penalty, body.frequency_penalty, bias,
+                                prompt_logprobs=logprobs if echo else None)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
@@ -214,11 +232,11 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
 
         try:  # choice i with a seed draws from seed + i
             seqs = engine.submit_choices(prompt, [(replace(params, seed=None if body.seed is None else body.seed + i),
-                                                   emitter(i)) for i in range(body.n)])
+                                                   emitter(i)) for i in range(body.candidates)])
         except RequestRejected as exc:
             return _error(exc.status, str(exc), exc.code)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        shape = _Shape(rid, served_model, chat, params.logprobs is not None, len(prompt),
+        shape = _Shape(rid, served_model, chat, logprobs is not None, len(prompt),
                        echo=(body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt),
                              tokenizer.decode(prompt[:1], skip_special_tokens=True)) if echo else None)
         if body.stream:
@@ -241,9 +259,19 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         except asyncio.CancelledError:
             _cancel(engine, seqs)
             raise
-        return shape.full(choices)
+        billed = sum(c.last.completion_tokens for c in choices)  # every candidate's tokens, as OpenAI counts them
+        return shape.full(_best(choices, body.n) if ranked else choices, billed)
 
     return app
+
+
+def _best(choices: list[_Choice], n: int) -> list[_Choice]:
+    """best_of: the n choices of highest mean log-probability per generated token, best first (a choice that
+    generated nothing, ended by EOS at once, ranks last)."""
+    def score(c: _Choice) -> float:
+        return sum(e.logprob for e in c.logprobs) / len(c.logprobs) if c.logprobs else float("-inf")
+
+    return sorted(choices, key=score, reverse=True)[:n]
 
 
 def _cancel(engine: Engine, seqs) -> None:
@@ -326,7 +354,7 @@ class _Shape:
         return text, {"tokens": [first] + lists["tokens"], "token_logprobs": [None] + lists["token_logprobs"],
                       "top_logprobs": [None] + lists["top_logprobs"], "text_offset": [0] + lists["text_offset"]}
 
-    def full(self, choices: list[_Choice]) -> dict:
+    def full(self, choices: list[_Choice], completion_tokens: int) -> dict:
         out = []
         for index, c in enumerate(choices):
             text, reason = "".join(c.text), c.last.finish_reason
@@ -340,7 +368,7 @@ class _Shape:
             else:
                 out.append({"index": index, "text": text, "logprobs": self._logprobs(c.logprobs, index),
                             "finish_reason": reason})
-        return self._wrap(out, chunk=False, usage=self.usage(sum(c.last.completion_tokens for c in choices)))
+        return self._wrap(out, chunk=False, usage=self.usage(completion_tokens))
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
               logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict:
