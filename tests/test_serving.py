@@ -539,7 +539,8 @@ def test_prompt_logprobs_score_every_prompt_token():
     events = Collector()  # a last chunk of one token (49 = 2 · 24 + 1) has nothing to score but the reply
     engine.submit(prompt[:49], SamplingParams(max_tokens=2, prompt_logprobs=0), events)
     _drain(engine)
-    assert events.events[-1].kind == "done" and len(events.events[-1].prompt_logprobs) == 49
+    sent = [e.prompt_logprobs for e in events.events if e.prompt_logprobs is not None]  # with the first event only
+    assert events.events[-1].kind == "done" and [len(x) for x in sent] == [49] and events.events[0].prompt_logprobs
 
 
 def test_stop_strings_end_the_text_before_them():
@@ -697,10 +698,30 @@ def test_echo_scores_the_prompt(client):
                                                 "temperature": 0}).json()["choices"][0]
     assert more["text"].startswith(prompt) and len(more["logprobs"]["tokens"]) == len(lp["tokens"]) + 2
     assert more["logprobs"]["token_logprobs"][:len(lp["tokens"])] == pytest.approx(lp["token_logprobs"], abs=1e-5)
-    for body, needle in (({"prompt": "x", "max_tokens": 0}, "needs echo"),
-                         ({"prompt": "x", "echo": True, "stream": True}, "echo with stream")):
-        r = client.post("/v1/completions", json=body)
-        assert r.status_code == 400 and needle in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and "needs echo" in r.json()["error"]["message"]
+
+
+@pytest_model
+def test_streamed_echo_equals_the_whole_answer(client):
+    """echo while streaming: each choice's first chunk is the prompt (with its tokens' log-probabilities), and
+    the chunks put together give the text and lists of the answer that is not streamed."""
+    import json
+
+    body = {"prompt": "The capital of France is Paris", "max_tokens": 3, "echo": True, "temperature": 0}
+    for extra in ({"logprobs": 1}, {}, {"logprobs": 0, "max_tokens": 0}):
+        whole = client.post("/v1/completions", json={**body, **extra}).json()["choices"][0]
+        with client.stream("POST", "/v1/completions", json={**body, **extra, "stream": True}) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert chunks[0]["text"] == body["prompt"]
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        lists = [c["logprobs"] for c in chunks if c["logprobs"]]
+        if whole["logprobs"] is None:
+            assert lists == []
+            continue
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert [x for part in lists for x in part[key]] == whole["logprobs"][key], key
 
 
 @pytest_model

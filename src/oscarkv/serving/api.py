@@ -8,7 +8,7 @@ Log-probabilities: completions' `logprobs: N` and chat's `logprobs: true` with `
 report each generated token's log-probability under the model (before temperature and top_p) and the N most
 likely tokens at its position, in OpenAI's shapes, streamed or not. Completions' `echo` puts the prompt before
 the completion, with the prompt tokens' log-probabilities (every position's logits in prefill; `max_tokens: 0`
-scores the prompt alone, as evaluation harnesses do); not when streaming. `presence_penalty`,
+scores the prompt alone, as evaluation harnesses do), streamed as a first chunk. `presence_penalty`,
 `frequency_penalty` (over the tokens generated so far) and `logit_bias` are added to the logits before a token
 is chosen. `n` choices read the prompt once (`Engine.submit_choices`); completions' `best_of` generates that
 many and returns the n with the highest mean log-probability per token (not streamed).
@@ -93,8 +93,6 @@ class CompletionBody(_Body):
                                 "the n with the highest log-probability per token (not streamed)")
 
     def unsupported(self) -> str | None:
-        if self.echo and self.stream:
-            return "echo with stream"
         return "best_of with stream" if self.stream and self.candidates > self.n else super().unsupported()
 
     @property
@@ -286,11 +284,13 @@ class _Choice:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.last: Event | None = None
 
     def add(self, event: Event) -> None:
         self.text.append(event.text)
         self.logprobs += event.logprobs
+        self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
         if event.kind == "done":
             self.last = event
 
@@ -342,17 +342,34 @@ class _Shape:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
+    def _prompt_lists(self, prompt_logprobs: list[TokenLogprob | None]) -> tuple[dict, int]:
+        """echo: the completions API's lists for the prompt's tokens (the first has no log-probability: null, as
+        OpenAI gives it), and the text offset after the prompt."""
+        _, first = self.echo
+        lists, offset = _completion_logprobs(list(prompt_logprobs[1:]), len(first))
+        return {"tokens": [first] + lists["tokens"], "token_logprobs": [None] + lists["token_logprobs"],
+                "top_logprobs": [None] + lists["top_logprobs"], "text_offset": [0] + lists["text_offset"]}, offset
+
     def _echoed(self, choice: _Choice) -> tuple[str, dict | None]:
         """A completions choice with echo: the prompt's text before the completion's, and the prompt tokens'
-        log-probabilities before the generated ones (the first token has none: null, as OpenAI gives it)."""
-        prompt_text, first = self.echo
-        text = prompt_text + "".join(choice.text)
+        log-probabilities before the generated ones."""
+        text = self.echo[0] + "".join(choice.text)
         if not self.logprobs:
             return text, None
-        scored = list(choice.last.prompt_logprobs[1:])  # the first is None
-        lists, _ = _completion_logprobs(scored + choice.logprobs, len(first))
-        return text, {"tokens": [first] + lists["tokens"], "token_logprobs": [None] + lists["token_logprobs"],
-                      "top_logprobs": [None] + lists["top_logprobs"], "text_offset": [0] + lists["text_offset"]}
+        lists, offset = self._prompt_lists(choice.prompt_logprobs)
+        generated, _ = _completion_logprobs(choice.logprobs, offset)
+        return text, {key: lists[key] + generated[key] for key in lists}
+
+    def echo_chunk(self, index: int, prompt_logprobs: list[TokenLogprob | None] | None) -> dict:
+        """Streamed echo: the first chunk of a choice holds the prompt (and its tokens' log-probabilities); the
+        generated tokens' text offsets then count from the prompt's end."""
+        lists = None
+        if self.logprobs:
+            lists, self.text_offset[index] = self._prompt_lists(prompt_logprobs)
+        else:
+            self.text_offset[index] = len(self.echo[0])
+        return self._wrap([{"index": index, "text": self.echo[0], "logprobs": lists, "finish_reason": None}],
+                          chunk=True)
 
     def full(self, choices: list[_Choice], completion_tokens: int) -> dict:
         out = []
@@ -390,11 +407,15 @@ async def _stream(engine: Engine, seqs, events: asyncio.Queue, shape: _Shape, in
             for index in range(len(seqs)):
                 yield sse(shape.chunk("", first=True, index=index))
         open_choices, completion_tokens = len(seqs), 0
+        echoed: set[int] = set()
         while open_choices:
             index, event = await events.get()
             if event.kind == "error":
                 yield sse({"error": {"message": event.text, "type": "server_error", "code": "generation_failed"}})
                 break
+            if shape.echo is not None and index not in echoed:
+                echoed.add(index)
+                yield sse(shape.echo_chunk(index, event.prompt_logprobs))
             if event.kind == "token":
                 yield sse(shape.chunk(event.text, logprobs=event.logprobs, index=index))
                 continue

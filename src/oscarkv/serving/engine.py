@@ -125,7 +125,7 @@ class Event:
     finish_reason: str | None = None
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # "done" of a request that asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the first event of a request that asked for them
 
 
 @dataclass
@@ -147,6 +147,7 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     failed: bool = False
+    prompt_logprobs_sent: bool = False
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
@@ -567,13 +568,22 @@ class Engine:
         while ready > seq.text_sent and text[ready - 1] == "\ufffd":
             ready -= 1
         if ready > seq.text_sent or seq.logprobs:
-            seq.emit(Event("token", text[seq.text_sent:ready], logprobs=self._take_logprobs(seq)))
+            seq.emit(Event("token", text[seq.text_sent:ready], logprobs=self._take_logprobs(seq),
+                           prompt_logprobs=self._take_prompt_logprobs(seq)))
             seq.text_sent = max(seq.text_sent, ready)
 
     @staticmethod
     def _take_logprobs(seq: Sequence) -> list[TokenLogprob]:
         taken, seq.logprobs = seq.logprobs, []
         return taken
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+        """The prompt's log-probabilities, with the first event that follows its reading (if asked for)."""
+        if seq.params.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        return seq.prompt_logprobs
 
     def _token_text(self, tokens: list[int]) -> str:
         """The text the last of `tokens` adds, decoded after a few tokens before it (so a leading space
@@ -602,8 +612,7 @@ class Engine:
         seq.finished = True
         self.counters.completed += 1
         seq.emit(Event("done", rest.rstrip("\ufffd"), reason, len(seq.generated),
-                       logprobs=self._take_logprobs(seq),
-                       prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None))
+                       logprobs=self._take_logprobs(seq), prompt_logprobs=self._take_prompt_logprobs(seq)))
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if not seq.finished and not seq.cancelled:

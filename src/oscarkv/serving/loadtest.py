@@ -91,7 +91,7 @@ PROBES = [
     ("prompt missing", None, {"max_tokens": 4}),
     ("unknown model", None, {"prompt": "x", "model": "no-such-model"}),
     ("n above the limit", None, {"prompt": "x", "n": 1000}),
-    ("a parameter the server does not do", None, {"prompt": "x", "echo": True, "stream": True}),
+    ("a parameter the server does not do", None, {"prompt": "x", "best_of": 2, "stream": True}),
 ]
 
 
