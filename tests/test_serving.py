@@ -92,9 +92,12 @@ def _reference_tokens(engine, prompt, n, chunk=None):
     return _reference_run(engine, prompt, n, chunk)[0]
 
 
-def _reference_run(engine, prompt, n, chunk=None, feeds=None):
+def _reference_run(engine, prompt, n, chunk=None, feeds=None, repetition_penalty=1.0):
     """`_reference_tokens` and the log-softmax of the logits [n, V] each token was chosen from. feeds: the
-    forwards that read the prompt, if not chunks of `chunk` (token lists, in order)."""
+    forwards that read the prompt, if not chunks of `chunk` (token lists, in order). repetition_penalty:
+    transformers' processor over the prompt and the tokens so far, before each choice."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
     model, state = engine.model, engine.model.oscar
     if isinstance(engine.cache, PagedSlotCache):
         cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, engine.config.max_context,
@@ -108,7 +111,10 @@ def _reference_run(engine, prompt, n, chunk=None, feeds=None):
         for feed in feeds:
             logits = model(torch.tensor([feed]), past_key_values=cache).logits
         for _ in range(n):
-            tokens.append(int(logits[0, -1].argmax()))
+            scores = logits[0, -1:].float()
+            if repetition_penalty != 1.0:
+                scores = RepetitionPenaltyLogitsProcessor(repetition_penalty)(torch.tensor([prompt + tokens]), scores)
+            tokens.append(int(scores[0].argmax()))
             logprobs.append(torch.log_softmax(logits[0, -1].float(), dim=-1))
             logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits
     return tokens, torch.stack(logprobs)
@@ -340,6 +346,22 @@ def test_retained_caches_give_way_to_new_requests_oldest_first():
     _drain(engine)
     assert engine.counters.prefix_hits == 1 and engine.counters.reused_tokens == len(kept.tokens)
     _assert_only_retained_caches_hold(engine)
+
+
+def test_repetition_penalty_follows_transformers_over_prompt_and_tokens():
+    """repetition_penalty (vLLM's extension) gives the greedy tokens of transformers' processor over the prompt
+    and the tokens so far, for each of two requests decoded beside an unpenalized one (whose tokens stay the
+    reference's), and it changes the tokens."""
+    engine = _tiny_engine(prefill_chunk=40)
+    captured = _capture_tokens(engine)
+    prompts = [_prompt(60, seed=21), _prompt(35, seed=22), _prompt(50, seed=23)]
+    penalties = [2.0, 1.5, 1.0]
+    seqs = [engine.submit(p, SamplingParams(max_tokens=16, repetition_penalty=r), Collector())
+            for p, r in zip(prompts, penalties)]
+    _drain(engine)
+    for seq, prompt, penalty in zip(seqs, prompts, penalties):
+        assert captured[seq.id] == _reference_run(engine, prompt, 16, chunk=40, repetition_penalty=penalty)[0]
+    assert captured[seqs[0].id] != _reference_tokens(engine, prompts[0], 16, chunk=40)
 
 
 def test_full_queue_answers_503_and_cancelled_requests_free_their_slot():
@@ -638,6 +660,7 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ({"prompt": "x", "best_of": 2, "n": 3}, 400, "at least n"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of with stream"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, needle):

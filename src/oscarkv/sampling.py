@@ -65,9 +65,9 @@ def logit_adjustments(rows: list[tuple[dict[int, int], float, float, dict[int, f
     return at, tokens, values
 
 
-def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:
     """transformers' repetition penalty: the float32 logits [B, V] of the tokens marked in seen [B, V] (bool)
-    divided by `penalty` where positive, multiplied where negative."""
+    divided by `penalty` (a number, or [B, 1] per row) where positive, multiplied where negative."""
     logits = logits.float()
     return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 

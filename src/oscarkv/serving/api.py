@@ -10,7 +10,8 @@ likely tokens at its position, in OpenAI's shapes, streamed or not. Completions'
 the completion, with the prompt tokens' log-probabilities (every position's logits in prefill; `max_tokens: 0`
 scores the prompt alone, as evaluation harnesses do), streamed as a first chunk. `presence_penalty`,
 `frequency_penalty` (over the tokens generated so far) and `logit_bias` are added to the logits before a token
-is chosen. `n` choices read the prompt once (`Engine.submit_choices`); completions' `best_of` generates that
+is chosen, after vLLM's `repetition_penalty` (over the prompt and the generated tokens). `n` choices read the
+prompt once (`Engine.submit_choices`); completions' `best_of` generates that
 many and returns the n with the highest mean log-probability per token (not streamed).
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
@@ -56,6 +57,8 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's extension: transformers' penalty "
+                                      "over the prompt and the generated tokens (1: none)")
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None (a request that sets one gets a
@@ -216,7 +219,8 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
                                 body.ignore_eos, 0 if ranked and logprobs is None else logprobs,
                                 body.presence_penalty, body.frequency_penalty, bias,
-                                prompt_logprobs=logprobs if echo else None)
+                                prompt_logprobs=logprobs if echo else None,
+                                repetition_penalty=body.repetition_penalty)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 

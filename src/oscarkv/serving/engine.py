@@ -33,7 +33,7 @@ import torch
 from ..errors import OscarError
 from ..integrations.slots import group_units
 from ..integrations.static_decode import DecodeGraphs, forward_slots
-from ..sampling import logit_adjustments, sample_tokens
+from ..sampling import logit_adjustments, repetition_penalized, sample_tokens
 from ..transfer import to_device
 
 log = logging.getLogger("oscarkv.serving")
@@ -56,7 +56,9 @@ class SamplingParams:
     presence_penalty, frequency_penalty, logit_bias ((token, bias) pairs): OpenAI's, added to the logits
     before the token is chosen (the penalties count the tokens generated so far; logprobs stay the model's);
     prompt_logprobs: None, or the prompt tokens' log-probabilities too (every position's logits in prefill),
-    with that many alternatives. max_tokens may be 0 then: the request ends once its prompt is read."""
+    with that many alternatives. max_tokens may be 0 then: the request ends once its prompt is read.
+    repetition_penalty: transformers' and vLLM's, over the prompt and the generated tokens (a logit divided by
+    it where positive, multiplied where negative), before the penalties and logit_bias."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -69,6 +71,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
 
     @property
     def adjusts_logits(self) -> bool:
@@ -148,6 +151,7 @@ class Sequence:
     finished: bool = False
     failed: bool = False
     prompt_logprobs_sent: bool = False
+    seen_marked: bool = False  # repetition_penalty: its slot's row of `Engine._seen` holds its prompt and tokens
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
@@ -202,6 +206,7 @@ class Engine:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self.retained: list[Retained] = []  # engine thread only
+        self._seen: torch.Tensor | None = None  # [slots, vocabulary] bool, the tokens each slot's sequence has seen
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -501,6 +506,9 @@ class Engine:
         """Each row's next token: greedy at temperature 0, else drawn with its temperature and top_p
         (`sampling.sample_tokens`: the batch on the logits' device, one uniform number per request from its
         own generator), after the rows' penalties and logit_bias. One copy to the host for the batch."""
+        penalized = [i for i, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
+        if penalized:
+            logits = self._repetition_penalized(seqs, penalized, logits)
         if any(seq.params.adjusts_logits for seq in seqs):
             at, tokens, values = logit_adjustments(
                 [(seq.counts, seq.params.presence_penalty, seq.params.frequency_penalty, dict(seq.params.logit_bias))
@@ -515,7 +523,29 @@ class Engine:
             uniform = [float(torch.rand(1, generator=seqs[i].generator)) for i in rows]
             drawn = sample_tokens(logits[rows], [p.temperature for p in params], [p.top_p for p in params], uniform)
             chosen[to_device(rows, torch.long, chosen.device)] = drawn
+        if penalized:
+            slots = to_device([seqs[i].slot for i in penalized], torch.long, chosen.device)
+            self._seen[slots, chosen[to_device(penalized, torch.long, chosen.device)]] = True
         return chosen.tolist()
+
+    def _repetition_penalized(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The logits with rows[i]'s repetition penalty applied over the tokens its sequence has seen (a new
+        tensor). Each slot's seen tokens are a row of a device mask: its prompt marked when the sequence first
+        chooses, each chosen token after (`_choose`)."""
+        if self._seen is None or self._seen.shape[1] != logits.shape[-1]:
+            self._seen = torch.zeros(self.config.max_seqs, logits.shape[-1], dtype=torch.bool, device=logits.device)
+        for i in rows:
+            seq = seqs[i]
+            if not seq.seen_marked:
+                self._seen[seq.slot] = False
+                self._seen[seq.slot, to_device(seq.prompt_ids + seq.generated, torch.long, logits.device)] = True
+                seq.seen_marked = True
+        index = to_device(rows, torch.long, logits.device)
+        slots = to_device([seqs[i].slot for i in rows], torch.long, logits.device)
+        penalty = to_device([seqs[i].params.repetition_penalty for i in rows], torch.float32, logits.device)[:, None]
+        logits = logits.float().clone()
+        logits[index] = repetition_penalized(logits[index], self._seen[slots], penalty)
+        return logits
 
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
         """The chosen tokens' log-probabilities (and top alternatives) for the rows that asked for them: one
