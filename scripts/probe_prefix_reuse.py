@@ -1,7 +1,8 @@
-"""Developer tool (GPU): a conversation's second turn with and without prefix reuse, in process.
+"""Developer tool (GPU): a conversation's second turn, and prompts with a common start, with and without prefix
+reuse, in process.
 
     PYTHONPATH=src python scripts/probe_prefix_reuse.py [--method hadamard] [--conversations 8]
-        [--prompt 8192] [--reply 128] [--follow-up 512] [--prefill-chunk 2048]
+        [--prompt 8192] [--reply 128] [--follow-up 512] [--prefill-chunk 2048] [--scenario turns|common-start]
 
 One engine over a random Qwen3-4B (speed only), warmed up, running its own thread as `oscarkv serve` does.
 For each setting of `EngineConfig.prefix_reuse` (the engine's config is swapped between runs; the retained
@@ -10,6 +11,10 @@ caches are freed first): `--conversations` first turns of `--prompt` random toke
 `--follow-up` new tokens. Prints, per turn, when the last request got its first token and when the last
 finished (seconds after the turn was sent), and how many prompt tokens the engine read or took from a
 retained cache.
+
+--scenario common-start: a first request of `--prompt` tokens (a system prompt) and `--follow-up` of its own
+runs alone; then `--conversations` - 1 requests with the same start and other ends of `--follow-up` tokens
+arrive at once.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ def main() -> None:
     parser.add_argument("--reply", type=int, default=128)
     parser.add_argument("--follow-up", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--scenario", choices=("turns", "common-start"), default="turns")
     args = parser.parse_args()
     device = torch.device("cuda")
     model, tokenizer = random_model("random:qwen3-4b", device, torch.bfloat16)
@@ -81,6 +87,14 @@ def main() -> None:
         for reuse in (False, True, False, True):
             engine.config = replace(config, prefix_reuse=reuse)
             engine.forget_prefixes()  # engine idle between turns, so this thread may
+            if args.scenario == "common-start":
+                start = [rng.randrange(vocab) for _ in range(args.prompt)]
+                prompts = [start + [rng.randrange(vocab) for _ in range(args.follow_up)]
+                           for _ in range(args.conversations)]
+                first, _ = run_turn(engine, prompts[:1], args.reply)
+                rest, _ = run_turn(engine, prompts[1:], args.reply)
+                print(json.dumps(dict(prefix_reuse=reuse, first=first, rest=rest)), flush=True)
+                continue
             firsts = [[rng.randrange(vocab) for _ in range(args.prompt)] for _ in range(args.conversations)]
             turn1, replies = run_turn(engine, firsts, args.reply)
             seconds = [p + r + [rng.randrange(vocab) for _ in range(args.follow_up)] for p, r in zip(firsts, replies)]

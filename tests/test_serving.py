@@ -328,6 +328,31 @@ def test_a_conversations_next_turn_reads_only_its_new_tokens(method):
             assert engine.retained == [] and engine.cache.usage().slots_used == 0
 
 
+def test_prompts_with_a_common_start_take_a_copy_of_its_cache():
+    """Four prompts with a common 100-token start (a system prompt) and different ends. The first runs alone;
+    the other three arrive together and fill the four slots with the first's retained cache. The second finds
+    the start in that cache: a prefill chunk ends there, and a copy of its cache at that point is kept (in the
+    slot of the oldest retained cache). The third and fourth, which read their prompts after it, take that copy
+    and read only their own 40 tokens; their tokens equal a reference that read the start in the second's
+    chunks. The copy stays for later prompts."""
+    engine = _tiny_engine(max_seqs=4, prefill_chunk=40, shared_prefix_min=32)
+    start = _prompt(100, seed=30)
+    prompts = [start + _prompt(40, seed=31 + i) for i in range(4)]
+    captured = _capture_tokens(engine)
+    seqs = [engine.submit(prompts[0], SamplingParams(max_tokens=8), Collector())]
+    _drain(engine)
+    seqs += [engine.submit(prompt, SamplingParams(max_tokens=8), Collector()) for prompt in prompts[1:]]
+    _drain(engine)
+    assert [len(r.tokens) for r in engine.retained if r.shared] == [100]
+    assert engine.counters.prefix_hits == 2 and engine.counters.reused_tokens == 200
+    assert engine.counters.prompt_tokens == 140 + 140 + 40 + 40
+    feeds = [start[:40], start[40:80], start[80:100]]
+    for seq, prompt in zip(seqs[2:], prompts[2:]):
+        assert captured[seq.id] == _reference_run(engine, prompt, 8, feeds=feeds + [prompt[100:]])[0]
+    assert captured[seqs[1].id] == _reference_run(engine, prompts[1], 8, feeds=feeds + [prompts[1][100:]])[0]
+    _assert_only_retained_caches_hold(engine)
+
+
 def test_retained_caches_give_way_to_new_requests_oldest_first():
     """Two slots, three conversations: a new request takes the slot of the oldest retained cache, so every
     request runs; the latest conversations' caches are the ones kept, and a next turn goes on in its slot."""

@@ -85,7 +85,10 @@ class EngineConfig:
     new ones get HTTP 503; cuda_graphs: on CUDA, replay each decode step from a CUDA graph
     captured per batch size (`DecodeGraphs`); prefix_reuse: keep each finished sequence's cache in its
     slot until the slot or its pages are needed (oldest first), and let a request whose prompt begins with one of
-    them go on in that slot (`Retained`: the next turn of a conversation reads only its new tokens)."""
+    them go on in that slot (`Retained`: the next turn of a conversation reads only its new tokens); and where a
+    new prompt starts with at least shared_prefix_min tokens that a running or retained sequence also starts
+    with (a common system prompt), keep a copy of its cache at the end of that start, which later prompts
+    with the same start take (`fork`) instead of reading it."""
 
     max_seqs: int = 32
     max_context: int = 4096
@@ -93,9 +96,10 @@ class EngineConfig:
     max_waiting: int = 256
     cuda_graphs: bool = True
     prefix_reuse: bool = True
+    shared_prefix_min: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_seqs", "max_context", "prefill_chunk", "max_waiting"):
+        for name in ("max_seqs", "max_context", "prefill_chunk", "max_waiting", "shared_prefix_min"):
             if getattr(self, name) < 1:
                 raise OscarError(f"{name}={getattr(self, name)} must be >= 1.")
 
@@ -152,6 +156,8 @@ class Sequence:
     failed: bool = False
     prompt_logprobs_sent: bool = False
     seen_marked: bool = False  # repetition_penalty: its slot's row of `Engine._seen` holds its prompt and tokens
+    snapshot_at: int = 0  # a prompt start that others share: a chunk ends there and its cache is copied (`_snapshot`)
+    prompt_started: bool = False  # its first prefill chunk has run (`Engine._start_prompt` before it)
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated since the last event
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
@@ -172,11 +178,13 @@ class Sequence:
 
 @dataclass
 class Retained:
-    """A finished sequence's cache, kept in its slot for reuse: `tokens` are the ones it holds, in order."""
+    """A finished sequence's cache, or a copy of a prompt's common start, kept in its slot for reuse: `tokens`
+    are the ones it holds, in order."""
 
     slot: int
     tokens: list[int]
     kept: float = field(default_factory=time.monotonic)
+    shared: bool = False  # a common prompt start (`_snapshot`): requests fork it, and it stays
 
 
 @dataclass
@@ -380,8 +388,8 @@ class Engine:
                     continue
                 group = [seq] + seq.followers
                 tokens = [s.tokens_needed for s in group]
-                # The prompt's first tokens in a retained cache: the request goes on in that slot.
-                source = self._retained_prefix(seq)
+                # The prompt's first tokens in a finished sequence's retained cache: the request goes on in its slot.
+                source = self._retained_prefix(seq, shared=False)
                 adopt = None if source is None else source.slot
                 if not self.cache.can_open_group(tokens, len(seq.prompt_ids), adopt):
                     if self._evict(keep=source):
@@ -393,18 +401,57 @@ class Engine:
                     self._running.append(member)
                 if source is not None:
                     self.retained.remove(source)
-                    seq.prefilled = len(source.tokens)
-                    self.counters.prefix_hits += 1
-                    self.counters.reused_tokens += len(source.tokens)
+                    self._took(seq, source)
 
-    def _retained_prefix(self, seq: Sequence) -> Retained | None:
-        """The retained cache holding the longest start of seq's prompt (at least one prompt token left to read,
-        for the logits), if any; none for a request that scores its prompt (every position's logits)."""
+    def _retained_prefix(self, seq: Sequence, shared: bool) -> Retained | None:
+        """The retained cache (a finished sequence's, or a shared prompt start's) holding the longest start of
+        seq's prompt (at least one prompt token left to read, for the logits), if any; none for a request that
+        scores its prompt (every position's logits)."""
         if seq.params.prompt_logprobs is not None:
             return None
         prompt = seq.prompt_ids
-        fits = [r for r in self.retained if len(r.tokens) < len(prompt) and prompt[:len(r.tokens)] == r.tokens]
+        fits = [r for r in self.retained
+                if r.shared == shared and len(r.tokens) < len(prompt) and prompt[:len(r.tokens)] == r.tokens]
         return max(fits, key=lambda r: len(r.tokens), default=None)
+
+    def _took(self, seq: Sequence, source: Retained) -> None:
+        seq.prefilled = len(source.tokens)
+        self.counters.prefix_hits += 1
+        self.counters.reused_tokens += len(source.tokens)
+
+    def _start_prompt(self, seq: Sequence) -> None:
+        """Before seq reads its first prompt chunk: take a copy of a shared prompt start it begins with (one
+        that an older request kept while this one waited), and plan a copy of its own start if others share it."""
+        if not seq.prefilled and (source := self._retained_prefix(seq, shared=True)) is not None:
+            self.cache.fork(source.slot, seq.slot)
+            source.kept = time.monotonic()
+            self._took(seq, source)
+        self._plan_snapshot(seq)
+
+    def _plan_snapshot(self, seq: Sequence) -> None:
+        """If seq's prompt starts with at least shared_prefix_min tokens (beyond what it took from a retained
+        cache) that a running or retained sequence also starts with, and is longer, its cache at the end of
+        that start will be kept for the next prompts that share it (`_snapshot`)."""
+        if not self.config.prefix_reuse or seq.params.prompt_logprobs is not None:
+            return
+        others = [r.tokens for r in self.retained] + [s.prompt_ids for s in self._running
+                                                       if s is not seq and s.leader is not seq]  # not its own choices
+        common = max((_common_start(seq.prompt_ids, tokens) for tokens in others), default=0)
+        common = min(common, len(seq.prompt_ids) - 1)
+        if common >= max(self.config.shared_prefix_min, seq.prefilled + 1) and not any(
+                r.shared and len(r.tokens) == common and r.tokens == seq.prompt_ids[:common] for r in self.retained):
+            seq.snapshot_at = common
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """seq has read its prompt up to snapshot_at: keep a copy of its cache there (history pages shared,
+        windows copied) in a free slot, freeing the oldest retained caches for it if need be."""
+        tokens = seq.prompt_ids[:seq.prefilled]
+        while not self.cache.can_open(len(tokens)) and self._evict():
+            pass
+        if self.cache.can_open(len(tokens)):
+            slot = self.cache.open(len(tokens))
+            self.cache.fork(seq.slot, slot)
+            self.retained.append(Retained(slot, tokens, shared=True))
 
     def _evict(self, keep: Retained | None = None) -> bool:
         """Free the oldest retained cache (not `keep`); False if there is none to free."""
@@ -442,8 +489,14 @@ class Engine:
 
     def _prefill_chunk(self, seqs: list[Sequence]) -> None:
         seq = seqs[0]
+        if not seq.prompt_started:
+            seq.prompt_started = True
+            self._start_prompt(seq)
         start = seq.prefilled
-        chunk = seq.prompt_ids[start:start + self.config.prefill_chunk]
+        end = start + self.config.prefill_chunk
+        if seq.snapshot_at > start:
+            end = min(end, seq.snapshot_at)  # a chunk ends where the shared start does
+        chunk = seq.prompt_ids[start:end]
         if seq.params.prompt_logprobs is None:
             logits = self._forward([seq.slot], [chunk])
         else:  # every position: row r predicts prompt token start + r + 1
@@ -458,6 +511,8 @@ class Engine:
             logits = every[-1:]
         seq.prefilled += len(chunk)
         self.counters.prompt_tokens += len(chunk)
+        if seq.prefilled == seq.snapshot_at:
+            self._snapshot(seq)
         if not seq.reading_prompt:
             group = [seq] + self._fork_followers(seq)
             if seq.params.max_tokens == 0:
@@ -666,6 +721,15 @@ class Engine:
         else:
             self.cache.close(seq.slot)
         seq.slot = -1
+
+
+def _common_start(a: list[int], b: list[int]) -> int:
+    """How many first tokens two token lists share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
+    return int(differ[0, 0]) if len(differ) else n
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
