@@ -562,8 +562,9 @@ class Engine:
         (`sampling.sample_tokens`: the batch on the logits' device, one uniform number per request from its
         own generator), after the rows' penalties and logit_bias. One copy to the host for the batch."""
         penalized = [i for i, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
-        if penalized:
-            logits = self._repetition_penalized(seqs, penalized, logits)
+        if penalized:  # their rows of the batch, and of the seen-token mask (their slots)
+            marked = to_device([penalized, [seqs[i].slot for i in penalized]], torch.long, logits.device)
+            logits = self._repetition_penalized(seqs, penalized, marked, logits)
         if any(seq.params.adjusts_logits for seq in seqs):
             at, tokens, values = logit_adjustments(
                 [(seq.counts, seq.params.presence_penalty, seq.params.frequency_penalty, dict(seq.params.logit_bias))
@@ -579,14 +580,14 @@ class Engine:
             drawn = sample_tokens(logits[rows], [p.temperature for p in params], [p.top_p for p in params], uniform)
             chosen[to_device(rows, torch.long, chosen.device)] = drawn
         if penalized:
-            slots = to_device([seqs[i].slot for i in penalized], torch.long, chosen.device)
-            self._seen[slots, chosen[to_device(penalized, torch.long, chosen.device)]] = True
+            self._seen[marked[1], chosen[marked[0]]] = True
         return chosen.tolist()
 
-    def _repetition_penalized(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+    def _repetition_penalized(self, seqs: list[Sequence], rows: list[int], marked: torch.Tensor,
+                              logits: torch.Tensor) -> torch.Tensor:
         """The logits with rows[i]'s repetition penalty applied over the tokens its sequence has seen (a new
-        tensor). Each slot's seen tokens are a row of a device mask: its prompt marked when the sequence first
-        chooses, each chosen token after (`_choose`)."""
+        tensor); marked: [2, len(rows)], the rows and their slots on the device. Each slot's seen tokens are a row
+        of a device mask: its prompt marked when the sequence first chooses, each chosen token after (`_choose`)."""
         if self._seen is None or self._seen.shape[1] != logits.shape[-1]:
             self._seen = torch.zeros(self.config.max_seqs, logits.shape[-1], dtype=torch.bool, device=logits.device)
         for i in rows:
@@ -595,8 +596,7 @@ class Engine:
                 self._seen[seq.slot] = False
                 self._seen[seq.slot, to_device(seq.prompt_ids + seq.generated, torch.long, logits.device)] = True
                 seq.seen_marked = True
-        index = to_device(rows, torch.long, logits.device)
-        slots = to_device([seqs[i].slot for i in rows], torch.long, logits.device)
+        index, slots = marked
         penalty = to_device([seqs[i].params.repetition_penalty for i in rows], torch.float32, logits.device)[:, None]
         logits = logits.float().clone()
         logits[index] = repetition_penalized(logits[index], self._seen[slots], penalty)
