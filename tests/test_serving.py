@@ -481,29 +481,46 @@ def test_logprobs_are_the_models_log_softmax_of_each_generated_token():
     assert [len(e.top) for event in none.events for e in event.logprobs] == [0, 0]
 
 
-@pytest.mark.parametrize("top_p, candidates", [(1.0, 1024), (0.7, 1024), (0.7, 3), (0.7, 1)])
-def test_sampled_tokens_follow_the_filtered_distribution(top_p, candidates):
+def _filtered(logits, temperature, top_p, top_k=0, min_p=0.0):
+    """The distribution vLLM samples from: softmax(logits / temperature), min_p, then top_k, then top_p of what
+    top_k left, renormalised (written out directly, not with the code under test)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if min_p:
+        probs = probs * (probs >= min_p * probs.max())
+        probs = probs / probs.sum()
+    ranked, order = probs.sort(descending=True)
+    if top_k:
+        ranked = ranked * (torch.arange(len(ranked)) < top_k)
+    ranked = ranked * (ranked.cumsum(0) - ranked < top_p * ranked.sum())
+    kept = torch.zeros_like(probs).scatter_(0, order, ranked)
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("top_p, candidates, top_k, min_p", [
+    (1.0, 1024, 0, 0.0), (0.7, 1024, 0, 0.0), (0.7, 3, 0, 0.0), (0.7, 1, 0, 0.0),
+    (1.0, 1024, 5, 0.0), (0.9, 3, 5, 0.0), (1.0, 1024, 0, 0.1), (0.8, 2, 4, 0.05)])
+def test_sampled_tokens_follow_the_filtered_distribution(top_p, candidates, top_k, min_p):
     """Evenly spread uniform numbers through the inverse distribution give each token its share of the
-    temperature-scaled, top_p-filtered probabilities (to within 1/N); no token outside the nucleus is drawn.
-    A second row with other settings in the same call keeps its own distribution. candidates: the most likely
-    tokens top_p ranks first (3 hold the nucleus here, 1 does not: the whole vocabulary is sorted)."""
+    temperature-scaled, filtered probabilities (min_p, top_k, top_p in vLLM's order; to within 1/N); no token
+    outside them is drawn. A second row with other settings in the same call keeps its own distribution.
+    candidates: the most likely tokens a row without top_k ranks first (3 hold the nucleus here, 1 does not: the
+    whole vocabulary is sorted); a row with top_k ranks its top_k."""
     from oscarkv.sampling import sample_tokens
 
     logits = torch.randn(40, generator=torch.Generator().manual_seed(1)) * 2
     n = 20000
     uniform = ((torch.arange(n) + 0.5) / n).tolist()
-    expected = torch.softmax(logits / 0.8, dim=-1)
-    ranked, order = expected.sort(descending=True)
-    kept = torch.zeros_like(expected).scatter_(0, order, ranked * (ranked.cumsum(0) - ranked < top_p))
-    expected = kept / kept.sum()
+    expected = _filtered(logits, 0.8, top_p, top_k, min_p)
     rows = torch.stack([logits, torch.zeros_like(logits)]).repeat_interleave(n, 0)
-    drawn = sample_tokens(rows, [0.8] * n + [1.0] * n, [top_p] * n + [1.0] * n, uniform * 2, candidates)
+    drawn = sample_tokens(rows, [0.8] * n + [1.0] * n, [top_p] * n + [1.0] * n, uniform * 2, candidates,
+                          top_k=[top_k] * n + [0] * n, min_p=[min_p] * n + [0.0] * n)
     counts = torch.bincount(drawn[:n], minlength=40) / n
     assert (counts - expected).abs().max() < 1e-3
     assert counts[expected == 0].sum() == 0
     flat = torch.bincount(drawn[n:], minlength=40) / n  # equal logits: every token 1/40
     assert (flat - 1 / 40).abs().max() < 1e-3
-    drawn = sample_tokens(rows[:n], [0.8] * n, [top_p] * n, uniform, candidates)  # no unfiltered row beside it
+    drawn = sample_tokens(rows[:n], [0.8] * n, [top_p] * n, uniform, candidates, top_k=[top_k] * n,
+                          min_p=[min_p] * n)  # no unfiltered row beside it
     assert (torch.bincount(drawn, minlength=40) / n - expected).abs().max() < 1e-3
 
 
@@ -604,6 +621,32 @@ def test_stop_strings_end_the_text_before_them():
     assert "".join(e.text for e in stopped.events) == text[:text.find(stop)]
 
 
+def test_stop_token_ids_end_the_sequence_and_min_tokens_holds_them_back():
+    """A stop token ends the sequence as EOS would (finish "stop", its text not sent); min_tokens keeps it and
+    EOS from being chosen before that many tokens, even against a +100 bias, and then the bias wins."""
+    engine = _tiny_engine()
+    prompt = _prompt(20, seed=4)
+
+    def run(**settings):
+        events = Collector()
+        engine.submit(prompt, SamplingParams(max_tokens=10, logprobs=0, **settings), events)
+        _drain(engine)
+        return [e.token for event in events.events for e in event.logprobs], events.events[-1].finish_reason
+
+    plain, reason = run()
+    assert reason == "length" and len(plain) == 10
+    stop = plain[4]
+    assert run(stop_token_ids=(stop,)) == (plain[:plain.index(stop)], "stop")
+    forced = dict(logit_bias=((7, 100.0),), stop_token_ids=(7,))
+    assert run(**forced) == ([], "stop")
+    held, reason = run(min_tokens=3, **forced)
+    assert reason == "stop" and len(held) == 3 and 7 not in held
+    engine.eos_ids = {7}  # EOS too waits for min_tokens; ignore_eos lets it be chosen and go on
+    assert run(min_tokens=2, logit_bias=((7, 100.0),))[1] == "stop"
+    assert len(run(min_tokens=2, logit_bias=((7, 100.0),))[0]) == 2
+    assert run(min_tokens=2, ignore_eos=True, logit_bias=((7, 100.0),))[0] == [7] * 10
+
+
 def test_bad_engine_settings_name_the_fix():
     with pytest.raises(OscarError, match="max_seqs"):
         EngineConfig(max_seqs=0)
@@ -687,6 +730,13 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": "x", "best_of": 2, "n": 3}, 400, "at least n"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of with stream"),
+    ({"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens (3) is more than max_tokens (2)"),
+    ({"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json is not supported"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, needle):
     if isinstance(body, bytes):
@@ -695,6 +745,35 @@ def test_bad_requests_get_openai_errors(client, body, status, needle):
         r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
+
+
+@pytest_model
+def test_chat_fields_beyond_plain_text(client):
+    """Text content parts give the answer that the same text as a string gives; an image part, tools and a JSON
+    response format are refused by name (400) instead of ignored; response_format text and tool_choice none
+    change nothing. top_k 1 is greedy at any temperature."""
+    def chat(content, **extra):
+        return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                         "max_tokens": 5, "temperature": 0, **extra})
+
+    plain = chat("Name a colour.")
+    assert plain.status_code == 200, plain.text
+    answer = plain.json()["choices"][0]["message"]["content"]
+    parts = chat([{"type": "text", "text": "Name a"}, {"type": "text", "text": "colour."}])
+    joined = chat("Name a\ncolour.")
+    assert parts.json()["choices"][0]["message"]["content"] == joined.json()["choices"][0]["message"]["content"]
+    for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"user": "someone"}):
+        r = chat("Name a colour.", **extra)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer, extra
+    sampled = chat("Name a colour.", **{"temperature": 1.5, "top_k": 1, "seed": 1})
+    assert sampled.json()["choices"][0]["message"]["content"] == answer
+    refused = [chat([{"type": "image_url", "image_url": {"url": "data:,"}}]),
+               chat("Name a colour.", tools=[{"type": "function", "function": {"name": "f"}}]),
+               chat("Name a colour.", response_format={"type": "json_schema", "json_schema": {}})]
+    for r, needle in zip(refused, ("'image_url' are not supported", "tools is not supported",
+                                   "response_format is not supported")):
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "unsupported_parameter"
 
 
 @pytest_model

@@ -1,4 +1,5 @@
-"""The `oscarkv` command line: calibrate, eval ppl, demo, info."""
+"""The `oscarkv` command line: demo, calibrate, eval (ppl, niah, code), bench (attention, decode, serve), serve,
+model-dir, info."""
 
 from __future__ import annotations
 
@@ -607,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="benchmarks: attention (CUDA GPU), serve (a running server)")
+    p = sub.add_parser("bench", help="benchmarks: attention and decode (CUDA GPU), serve (a running server)")
     bench_sub = p.add_subparsers(dest="bench", required=True)
     b = bench_sub.add_parser("attention", help="INT2 decode kernel vs BF16 SDPA on one layer (32q/8kv/128)")
     b.add_argument("--shapes", default="1x8192,1x32768,1x65536,1x131072,32x8192,32x32768",

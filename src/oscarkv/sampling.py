@@ -4,7 +4,7 @@ A token is found by inverting its row's distribution at a uniform number u in [0
 (most likely first where top_k or top_p filter), their cumulative probabilities, and the first one whose
 cumulative probability passes u times the total.
 
-- `sample_tokens` (serve): each row has its own temperature and top_p, and u is drawn on the host from the
+- `sample_tokens` (serve): each row has its own temperature, min_p, top_k and top_p, and u is drawn on the host from the
   request's own generator, so a request with a seed gets the same tokens whatever else shares its batch. The
   whole batch costs a few device operations, not a copy of every row's logits to the host and a softmax, sort
   and draw there per request (about 25 ms per request and step on the H100 machine's host at a 152K vocabulary).
@@ -29,30 +29,66 @@ TOP_P_CANDIDATES = 1024
 
 
 def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float],
-                  uniform: list[float], candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
-    """logits [B, V] -> long [B]: row i drawn from softmax(logits_i / temperature_i), keeping only the
-    smallest set of most likely tokens whose probabilities reach top_p_i (the most likely token always
-    stays), at the uniform number uniform_i. Temperatures must be > 0 and top_p in (0, 1]."""
-    scale, limit, target = to_device([temperature, top_p, uniform], torch.float32, logits.device)[:, :, None]
+                  uniform: list[float], candidates: int = TOP_P_CANDIDATES, top_k: list[int] | None = None,
+                  min_p: list[float] | None = None) -> torch.Tensor:
+    """logits [B, V] -> long [B]: row i drawn from softmax(logits_i / temperature_i) at the uniform number
+    uniform_i, filtered in vLLM's order: tokens less likely than min_p_i times the most likely one dropped (the
+    rest renormalised), then all but the top_k_i most likely (0: none dropped), then all but the smallest set of
+    most likely tokens whose probabilities reach top_p_i of what is left (the most likely token always stays).
+    Temperatures must be > 0, top_p in (0, 1], top_k >= 0 and min_p in [0, 1].
+
+    Rows that rank (top_k or top_p) take the `candidates` most likely tokens (or their top_k, if more) first and
+    sort the whole vocabulary only where a row without top_k finds less than top_p of the mass among them; rows
+    that do not rank draw from the whole distribution as it is."""
+    rows, vocab = logits.shape
+    top_k = [k if 0 < k < vocab else vocab for k in (top_k or [0] * rows)]  # tokens each row keeps by top_k
+    min_p = min_p or [0.0] * rows
+    scale, limit, target, floor = to_device([temperature, top_p, uniform, min_p], torch.float32,
+                                            logits.device)[:, :, None]
     probs = torch.softmax(logits.float() / scale, dim=-1)
-    order = None
-    if any(p < 1 for p in top_p):
-        ranked, order = probs.topk(min(candidates, probs.shape[-1]), dim=-1)  # most likely first
-        # Exact when the candidates hold top_p of the mass: every token after them has that much before it.
-        if ranked.shape[-1] < probs.shape[-1] and not bool((ranked.sum(dim=-1, keepdim=True) >= limit).all()):
-            ranked, order = probs.sort(dim=-1, descending=True)
-        probs = _nucleus(ranked, limit)
-    return _draw(probs, order, target)[:, 0]
+    if any(m > 0 for m in min_p):
+        kept = probs * (probs >= floor * probs.amax(dim=-1, keepdim=True))
+        probs = torch.where(floor > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
+    ranking = [i for i in range(rows) if top_p[i] < 1 or top_k[i] < vocab]
+    if not ranking:
+        return _draw(probs, None, target)[:, 0]
+    if len(ranking) == rows:
+        return _ranked_draw(probs, limit, target, top_k, candidates)
+    chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
+    plain = [i for i in range(rows) if top_p[i] == 1 and top_k[i] == vocab]
+    index = to_device(ranking + plain, torch.long, logits.device)
+    at, others = index[:len(ranking)], index[len(ranking):]
+    chosen[others] = _draw(probs[others], None, target[others])[:, 0]
+    chosen[at] = _ranked_draw(probs[at], limit[at], target[at], [top_k[i] for i in ranking], candidates)
+    return chosen
 
 
-def logit_adjustments(rows: list[tuple[dict[int, int], float, float, dict[int, float]]]
-                      ) -> tuple[list[int], list[int], list[float]]:
+def _ranked_draw(probs: torch.Tensor, limit: torch.Tensor, target: torch.Tensor, top_k: list[int],
+                 candidates: int) -> torch.Tensor:
+    """`sample_tokens` for rows that rank: probs [R, V] (each summing to 1), limit (top_p) and target [R, 1],
+    top_k per row (V: all)."""
+    vocab = probs.shape[-1]
+    keep = to_device(top_k, torch.long, probs.device)[:, None]
+    width = min(vocab, max([candidates] + [k for k in top_k if k < vocab]))
+    ranked, order = probs.topk(width, dim=-1)  # most likely first
+    loose = keep > width  # rows without top_k: their nucleus must lie among the candidates
+    # Exact when each such row's candidates hold top_p of the mass: every token after them has that much before it.
+    if width < vocab and not bool(((ranked.sum(dim=-1, keepdim=True) >= limit) | ~loose).all()):
+        ranked, order = probs.sort(dim=-1, descending=True)
+    ranked = ranked * (torch.arange(ranked.shape[-1], device=probs.device) < keep)
+    # top_p of the mass top_k left (all of it, 1, for rows without top_k)
+    mass = torch.where(loose | (keep >= vocab), torch.ones_like(limit), ranked.sum(dim=-1, keepdim=True))
+    return _draw(_nucleus(ranked, limit * mass), order, target)[:, 0]
+
+
+def logit_adjustments(rows: list[tuple]) -> tuple[list[int], list[int], list[float]]:
     """OpenAI's penalties and logit_bias as sparse additions to a batch's logits: for row i with
-    (counts of the tokens it generated, presence_penalty, frequency_penalty, logit_bias), each generated token t
-    gets -(presence + frequency * count_t) and each biased token its bias. Returns (rows, token ids, values),
-    the form `torch.Tensor.index_put_(..., accumulate=True)` takes."""
+    (counts of the tokens it generated, presence_penalty, frequency_penalty, logit_bias[, banned tokens]), each
+    generated token t gets -(presence + frequency * count_t), each biased token its bias, and each banned token
+    -inf (never chosen). Returns (rows, token ids, values), the form
+    `torch.Tensor.index_put_(..., accumulate=True)` takes."""
     at, tokens, values = [], [], []
-    for i, (counts, presence, frequency, bias) in enumerate(rows):
+    for i, (counts, presence, frequency, bias, *banned) in enumerate(rows):
         if presence or frequency:
             for token, count in counts.items():
                 at.append(i)
@@ -62,6 +98,10 @@ def logit_adjustments(rows: list[tuple[dict[int, int], float, float, dict[int, f
             at.append(i)
             tokens.append(token)
             values.append(value)
+        for token in (banned[0] if banned else ()):
+            at.append(i)
+            tokens.append(token)
+            values.append(float("-inf"))
     return at, tokens, values
 
 

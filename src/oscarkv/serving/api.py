@@ -40,8 +40,23 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 MAX_CHOICES = 16  # `n`: each choice is a sequence of its own; they read the prompt once (`Engine.submit_choices`)
 
 
+# Fields that change what a request returns and that this server does not do: a request that sets one to
+# something other than its "off" value gets a 400 naming it instead of an answer that silently ignored it.
+# (Other unknown fields, such as user or metadata, are ignored.)
+UNSUPPORTED_FIELDS = {
+    "tools": lambda v: bool(v), "functions": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none", "auto"), "function_call": lambda v: v not in (None, "none", "auto"),
+    "response_format": lambda v: v is not None and (v.get("type") if isinstance(v, dict) else v) != "text",
+    "suffix": lambda v: bool(v), "use_beam_search": lambda v: bool(v), "prompt_logprobs": lambda v: v is not None,
+    "guided_json": lambda v: v is not None, "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None, "guided_grammar": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None, "bad_words": lambda v: bool(v),
+    "allowed_token_ids": lambda v: v is not None, "include_stop_str_in_output": lambda v: bool(v),
+}
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, logit_bias, ...)
+    model_config = ConfigDict(extra="allow")  # clients send fields we do not use (user, metadata, ...)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -59,11 +74,26 @@ class _Body(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's extension: transformers' penalty "
                                       "over the prompt and the generated tokens (1: none)")
+    top_k: int = Field(0, ge=-1, description="vLLM's extension: sample among the k most likely tokens (0 or -1: all)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's extension: drop tokens less likely than min_p "
+                                                         "times the most likely one")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM's extension: token ids that end the sequence")
+    min_tokens: int = Field(0, ge=0, description="vLLM's extension: no EOS or stop token before this many tokens")
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None (a request that sets one gets a
         400 naming it, not a silent no-op)."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and UNSUPPORTED_FIELDS[name](value):
+                return name
         return None
+
+    def stop_tokens(self, vocab: int) -> tuple[int, ...]:
+        """stop_token_ids as a tuple; ValueError naming the first id outside the vocabulary."""
+        for token in self.stop_token_ids or ():
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop_token_ids: {token} is not a token id in [0, {vocab}).")
+        return tuple(self.stop_token_ids or ())
 
     def bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs; ValueError naming the first bad entry."""
@@ -106,11 +136,29 @@ class CompletionBody(_Body):
         return self.logprobs
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The content as text: text parts joined by newlines (as vLLM joins them); None is empty. ValueError
+        for a part that is not text (images, audio: this server serves text-only models)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported (text-only model); "
+                                 f"send text parts or a string.")
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatBody(_Body):
@@ -188,8 +236,12 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
     async def chat(body: ChatBody, request: Request):
         if getattr(tokenizer, "chat_template", None) is None:
             return _error(400, "this model has no chat template; use /v1/completions.", "no_chat_template")
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as exc:
+            return _error(400, f"messages: {exc}", "unsupported_parameter", "messages")
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
         room = max(1, max_context - len(prompt))
         return await _run(body, request, prompt, body.max_completion_tokens or body.max_tokens
                           or min(DEFAULT_CHAT_MAX_TOKENS, room), chat=True)
@@ -212,6 +264,13 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
             bias = body.bias(len(tokenizer))
         except ValueError as exc:
             return _error(400, str(exc), "invalid_request", "logit_bias")
+        try:
+            stop_tokens = body.stop_tokens(len(tokenizer))
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request", "stop_token_ids")
+        if body.min_tokens > max_tokens:
+            return _error(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens}).",
+                          "invalid_request", "min_tokens")
         stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
         echo = not chat and body.echo
         ranked = body.candidates > body.n  # best_of: every candidate's token log-probabilities rank it
@@ -220,7 +279,8 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
                                 body.ignore_eos, 0 if ranked and logprobs is None else logprobs,
                                 body.presence_penalty, body.frequency_penalty, bias,
                                 prompt_logprobs=logprobs if echo else None,
-                                repetition_penalty=body.repetition_penalty)
+                                repetition_penalty=body.repetition_penalty, top_k=max(body.top_k, 0),
+                                min_p=body.min_p, stop_token_ids=stop_tokens, min_tokens=body.min_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 

@@ -58,7 +58,11 @@ class SamplingParams:
     prompt_logprobs: None, or the prompt tokens' log-probabilities too (every position's logits in prefill),
     with that many alternatives. max_tokens may be 0 then: the request ends once its prompt is read.
     repetition_penalty: transformers' and vLLM's, over the prompt and the generated tokens (a logit divided by
-    it where positive, multiplied where negative), before the penalties and logit_bias."""
+    it where positive, multiplied where negative), before the penalties and logit_bias.
+    vLLM's extensions: top_k (0: all tokens) and min_p (0: none dropped) filter sampled tokens
+    (`sampling.sample_tokens`); stop_token_ids end the sequence as EOS does (their text is not sent, and
+    ignore_eos does not apply to them); min_tokens: no EOS (unless ignore_eos) nor stop token is chosen before
+    that many tokens."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -72,6 +76,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     @property
     def adjusts_logits(self) -> bool:
@@ -558,17 +566,19 @@ class Engine:
             self._accept(seq, token, logprob)
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Each row's next token: greedy at temperature 0, else drawn with its temperature and top_p
+        """Each row's next token: greedy at temperature 0, else drawn with its temperature, min_p, top_k and top_p
         (`sampling.sample_tokens`: the batch on the logits' device, one uniform number per request from its
-        own generator), after the rows' penalties and logit_bias. One copy to the host for the batch."""
+        own generator), after the rows' penalties and logit_bias, and with the tokens `_held_back` excluded. One
+        copy to the host for the batch."""
         penalized = [i for i, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
         if penalized:  # their rows of the batch, and of the seen-token mask (their slots)
             marked = to_device([penalized, [seqs[i].slot for i in penalized]], torch.long, logits.device)
             logits = self._repetition_penalized(seqs, penalized, marked, logits)
-        if any(seq.params.adjusts_logits for seq in seqs):
+        held = [self._held_back(seq) for seq in seqs]
+        if any(seq.params.adjusts_logits for seq in seqs) or any(held):
             at, tokens, values = logit_adjustments(
-                [(seq.counts, seq.params.presence_penalty, seq.params.frequency_penalty, dict(seq.params.logit_bias))
-                 for seq in seqs])
+                [(seq.counts, seq.params.presence_penalty, seq.params.frequency_penalty, dict(seq.params.logit_bias),
+                  banned) for seq, banned in zip(seqs, held)])
             index = to_device([at, tokens], torch.long, logits.device)
             logits = logits.float().index_put((index[0], index[1]), to_device(values, torch.float32, logits.device),
                                               accumulate=True)  # a new tensor: logprobs keep the model's logits
@@ -577,11 +587,19 @@ class Engine:
         if rows:
             params = [seqs[i].params for i in rows]
             uniform = [float(torch.rand(1, generator=seqs[i].generator)) for i in rows]
-            drawn = sample_tokens(logits[rows], [p.temperature for p in params], [p.top_p for p in params], uniform)
+            drawn = sample_tokens(logits[rows], [p.temperature for p in params], [p.top_p for p in params], uniform,
+                                  top_k=[p.top_k for p in params], min_p=[p.min_p for p in params])
             chosen[to_device(rows, torch.long, chosen.device)] = drawn
         if penalized:
             self._seen[marked[1], chosen[marked[0]]] = True
         return chosen.tolist()
+
+    def _held_back(self, seq: Sequence) -> tuple[int, ...]:
+        """The tokens `seq` may not choose now: its EOS (unless ignore_eos) and stop tokens before min_tokens."""
+        if len(seq.generated) >= seq.params.min_tokens:
+            return ()
+        eos = () if seq.params.ignore_eos else tuple(sorted(self.eos_ids))
+        return eos + seq.params.stop_token_ids
 
     def _repetition_penalized(self, seqs: list[Sequence], rows: list[int], marked: torch.Tensor,
                               logits: torch.Tensor) -> torch.Tensor:
@@ -631,7 +649,7 @@ class Engine:
         if seq.cancelled:
             return
         self.counters.generated_tokens += 1
-        if token in self.eos_ids and not seq.params.ignore_eos:
+        if (token in self.eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             self._finish(seq, "stop", final_text=self._text(seq, final=True))
             return
         seq.generated.append(token)
