@@ -43,25 +43,41 @@ def compile_history_kernel(stages: int, maxnreg: int | None, row_groups: int = 1
     return kernel.asm["cubin"]
 
 
+def disassemble(cubin: bytes) -> tuple[list[str], str]:
+    """(SASS lines, resource usage text) of a cubin, with the nvdisasm and cuobjdump of the installed Triton."""
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(path)], check=True, capture_output=True,
+                              text=True).stdout.splitlines()
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(path)], check=True,
+                               capture_output=True, text=True).stdout
+    return sass, usage
+
+
+def loop_spans(sass: list[str]) -> tuple[dict[str, int], list[tuple[int, int]]]:
+    """(label -> line, [(first, last) line of each loop]): a loop runs from a label to a branch back to it."""
+    labels = {m.group(1): i for i, line in enumerate(sass) if (m := LABEL.match(line.strip()))}
+    return labels, [(labels[m.group(1)], i) for i, line in enumerate(sass)
+                    if (m := BRANCH.search(line)) and m.group(1) in labels and labels[m.group(1)] < i]
+
+
+def count(lines: list[str]) -> collections.Counter:
+    """Instructions by opcode."""
+    return collections.Counter(m.group(1) for line in lines if (m := INSTRUCTION.match(line)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--row-groups", type=int, default=1, help="pages per softmax step (ROW_GROUPS)")
     args = parser.parse_args()
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = pathlib.Path(tmp) / "history.cubin"
-        cubin.write_bytes(compile_history_kernel(args.stages, args.maxnreg, args.row_groups))
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout.splitlines()
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
-                               capture_output=True, text=True).stdout
-    labels = {m.group(1): i for i, line in enumerate(sass) if (m := LABEL.match(line.strip()))}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(sass)
-             if (m := BRANCH.search(line)) and m.group(1) in labels and labels[m.group(1)] < i]
+    sass, usage = disassemble(compile_history_kernel(args.stages, args.maxnreg, args.row_groups))
+    labels, loops = loop_spans(sass)
     start, end = max(loops, key=lambda span: span[1] - span[0])  # the history loop is the largest
-    ops = collections.Counter(m.group(1) for line in sass[start:end + 1] if (m := INSTRUCTION.match(line)))
+    ops = count(sass[start:end + 1])
     print(f"Triton {triton.__version__}, sm_90, {args.stages} stages, maxnreg {args.maxnreg}, "
           f"{args.row_groups} row group(s): the loop reads {args.row_groups} page(s) per iteration")
     print("registers:", re.search(r"REG:(\d+)", usage).group(1))

@@ -59,16 +59,18 @@ FULL = [(128, 128, 2, 2, 32, 8, 64, 64, 256), (128, 128, 4, 4, 32, 8, 64, 64, 25
 QUICK = [(128, 128, 2, 2, 32, 8, 64, 64, 256)]
 
 
-def compile_kernel(fn, types: dict, constexprs: dict, arch: int, aligned: bool = False, **options):
+def compile_kernel(fn, types: dict, constexprs: dict, arch: int, aligned: bool = False, divisible: tuple = (),
+                   **options):
     """Compile `fn` for sm_`arch`; returns Triton's compiled kernel (its `.asm["cubin"]` is the binary).
     aligned: give the pointer arguments the 16-byte divisibility that the JIT gives real tensors, so
-    that loads vectorise as they do on the GPU."""
+    that loads vectorise as they do on the GPU; divisible: integer arguments to mark as multiples of 16, as the
+    JIT marks an integer argument whose value is one (0 too)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if aligned and signature[name].startswith("*")}
+             if (aligned and signature[name].startswith("*")) or name in divisible}
     return compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
 
 
