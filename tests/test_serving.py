@@ -737,6 +737,8 @@ def test_streaming_chat_events_end_with_done_and_usage(client):
     ({"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json is not supported"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["x"] * 257}, 400, "257 prompts"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, needle):
     if isinstance(body, bytes):
@@ -774,6 +776,41 @@ def test_chat_fields_beyond_plain_text(client):
                                    "response_format is not supported")):
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
         assert r.json()["error"]["code"] == "unsupported_parameter"
+
+
+@pytest_model
+def test_a_list_of_prompts_gives_each_what_it_gives_alone(client):
+    """Completions with a list of prompts (texts, or token-id lists): n choices per prompt, numbered prompt after
+    prompt. Greedy, each prompt's choices equal those of the prompt sent alone (sampled ones may not: another batch
+    size rounds the model's products differently, which moved log-probabilities by up to 3e-3); echo puts each
+    choice's own prompt first, the usage counts every prompt, the stream put together equals the answer, and
+    best_of picks per prompt and bills every candidate."""
+    import json
+
+    prompts = ["The capital of France is", "Once upon a time there"]
+    base = {"max_tokens": 4, "temperature": 0, "n": 2, "ignore_eos": True}
+    batched = client.post("/v1/completions", json={"prompt": prompts, **base})
+    assert batched.status_code == 200, batched.text
+    body = batched.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    alone = [client.post("/v1/completions", json={"prompt": p, **base}).json() for p in prompts]
+    assert [c["text"] for c in body["choices"]] == [c["text"] for a in alone for c in a["choices"]]
+    assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    echoed = client.post("/v1/completions", json={"prompt": prompts, **base, "echo": True, "temperature": 1.0,
+                                                  "seed": 7}).json()
+    assert all(c["text"].startswith(prompts[c["index"] // 2]) for c in echoed["choices"])
+    ids = client.post("/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]], **base})
+    assert ids.status_code == 200 and len(ids.json()["choices"]) == 4
+    with client.stream("POST", "/v1/completions", json={"prompt": prompts, **base, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(4)] == [c["text"] for c in body["choices"]]
+    best = client.post("/v1/completions", json={"prompt": prompts, **base, "n": 1, "best_of": 2}).json()
+    assert [c["text"] for c in best["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert best["usage"]["completion_tokens"] == 16
 
 
 @pytest_model

@@ -12,7 +12,11 @@ scores the prompt alone, as evaluation harnesses do), streamed as a first chunk.
 `frequency_penalty` (over the tokens generated so far) and `logit_bias` are added to the logits before a token
 is chosen, after vLLM's `repetition_penalty` (over the prompt and the generated tokens). `n` choices read the
 prompt once (`Engine.submit_choices`); completions' `best_of` generates that
-many and returns the n with the highest mean log-probability per token (not streamed).
+many and returns the n with the highest mean log-probability per token (not streamed). A completions `prompt` may
+be a list of prompts (texts or token-id lists): each gets its n choices, numbered prompt after prompt, and each
+gives what it gives alone. vLLM's `top_k`, `min_p`, `stop_token_ids` and `min_tokens` are taken too; fields that
+would change the answer and that this server does not do (`UNSUPPORTED_FIELDS`: tools, JSON response formats,
+guided decoding, ...) are refused by name.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 body or a request the context cannot hold, 404 for another model name, 503 when the queue
@@ -38,6 +42,7 @@ from .engine import Engine, Event, RequestRejected, SamplingParams, TokenLogprob
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 MAX_CHOICES = 16  # `n`: each choice is a sequence of its own; they read the prompt once (`Engine.submit_choices`)
+MAX_PROMPTS = 256  # prompts in one completions request (a list of them, as evaluation harnesses send batches)
 
 
 # Fields that change what a request returns and that this server does not do: a request that sets one to
@@ -117,7 +122,8 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text or token ids, or a list of them (several prompts: n choices each, in prompt order)")
     max_tokens: int | None = Field(None, ge=0, description="0 only with echo: score the prompt, generate nothing")
     logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of the tokens and of the N "
                                                                 "most likely ones at each position")
@@ -224,13 +230,23 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        prompt = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt).input_ids
-        if isinstance(body.prompt, list) and any(t < 0 or t >= len(tokenizer) for t in body.prompt):
+        batch = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
+            else [body.prompt]  # one prompt (text or token ids) or a list of them
+        if not batch:
+            return _error(400, "prompt: the list of prompts is empty.", "invalid_request", "prompt")
+        if len(batch) > MAX_PROMPTS:
+            return _error(400, f"prompt: {len(batch)} prompts in one request, more than {MAX_PROMPTS}; send them in "
+                          "several requests.", "invalid_request", "prompt")
+        prompts = [p if isinstance(p, list) else tokenizer(p).input_ids for p in batch]
+        if any(t < 0 or t >= len(tokenizer) for p in prompts for t in p):
             return _error(400, f"prompt token ids must lie in [0, {len(tokenizer)}).", "invalid_request", "prompt")
         if body.max_tokens == 0 and not body.echo:
             return _error(400, "max_tokens: 0 needs echo: true (to score the prompt); ask for at least 1 token.",
                           "invalid_request", "max_tokens")
-        return await _run(body, request, prompt, 16 if body.max_tokens is None else body.max_tokens, chat=False)
+        echo = [(p if isinstance(p, str) else tokenizer.decode(ids), tokenizer.decode(ids[:1], skip_special_tokens=True))
+                for p, ids in zip(batch, prompts)] if body.echo else None
+        return await _run(body, request, prompts, 16 if body.max_tokens is None else body.max_tokens, chat=False,
+                          echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -243,10 +259,13 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=True)["input_ids"]
         room = max(1, max_context - len(prompt))
-        return await _run(body, request, prompt, body.max_completion_tokens or body.max_tokens
+        return await _run(body, request, [prompt], body.max_completion_tokens or body.max_tokens
                           or min(DEFAULT_CHAT_MAX_TOKENS, room), chat=True)
 
-    async def _run(body: _Body, request: Request, prompt: list[int], max_tokens: int, chat: bool):
+    async def _run(body: _Body, request: Request, prompts: list[list[int]], max_tokens: int, chat: bool,
+                   echo: list[tuple[str, str]] | None = None):
+        """prompts: each gets body.candidates choices, numbered prompt by prompt (OpenAI's order); echo: completions
+        with echo, per prompt (its text, its first token's text)."""
         if body.model is not None and body.model != served_model:
             return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
                           "model_not_found", "model")
@@ -272,13 +291,12 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
             return _error(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens}).",
                           "invalid_request", "min_tokens")
         stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or ())
-        echo = not chat and body.echo
         ranked = body.candidates > body.n  # best_of: every candidate's token log-probabilities rank it
         logprobs = body.logprobs_count()
         params = SamplingParams(max_tokens, body.temperature, body.top_p, body.seed, tuple(s for s in stop if s),
                                 body.ignore_eos, 0 if ranked and logprobs is None else logprobs,
                                 body.presence_penalty, body.frequency_penalty, bias,
-                                prompt_logprobs=logprobs if echo else None,
+                                prompt_logprobs=logprobs if echo is not None else None,
                                 repetition_penalty=body.repetition_penalty, top_k=max(body.top_k, 0),
                                 min_p=body.min_p, stop_token_ids=stop_tokens, min_tokens=body.min_tokens)
         loop = asyncio.get_running_loop()
@@ -292,15 +310,18 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
                     pass
             return emit
 
-        try:  # choice i with a seed draws from seed + i
-            seqs = engine.submit_choices(prompt, [(replace(params, seed=None if body.seed is None else body.seed + i),
-                                                   emitter(i)) for i in range(body.candidates)])
+        seqs, per_prompt = [], body.candidates
+        try:  # choice j of a prompt, with a seed, draws from seed + j (as the prompt alone would)
+            for p, prompt in enumerate(prompts):
+                seqs += engine.submit_choices(prompt, [
+                    (replace(params, seed=None if body.seed is None else body.seed + j), emitter(p * per_prompt + j))
+                    for j in range(per_prompt)])
         except RequestRejected as exc:
+            _cancel(engine, seqs)
             return _error(exc.status, str(exc), exc.code)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        shape = _Shape(rid, served_model, chat, logprobs is not None, len(prompt),
-                       echo=(body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt),
-                             tokenizer.decode(prompt[:1], skip_special_tokens=True)) if echo else None)
+        shape = _Shape(rid, served_model, chat, logprobs is not None, sum(len(p) for p in prompts), echo=echo,
+                       per_prompt=body.n)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream(engine, seqs, events, shape, usage), media_type="text/event-stream")
@@ -322,7 +343,10 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
             _cancel(engine, seqs)
             raise
         billed = sum(c.last.completion_tokens for c in choices)  # every candidate's tokens, as OpenAI counts them
-        return shape.full(_best(choices, body.n) if ranked else choices, billed)
+        if ranked:  # the n best of each prompt's candidates
+            choices = [c for p in range(len(prompts)) for c in _best(choices[p * per_prompt:(p + 1) * per_prompt],
+                                                                      body.n)]
+        return shape.full(choices, billed)
 
     return app
 
@@ -373,10 +397,11 @@ class _Shape:
     """OpenAI response objects for one request. logprobs: the request asked for log-probabilities."""
 
     def __init__(self, rid: str, model: str, chat: bool, logprobs: bool = False, prompt_tokens: int = 0,
-                 echo: tuple[str, str] | None = None) -> None:
+                 echo: list[tuple[str, str]] | None = None, per_prompt: int = 1) -> None:
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
         self.prompt_tokens = prompt_tokens
-        self.echo = echo  # completions with echo: (the prompt's text, its first token's text)
+        self.echo = echo  # completions with echo, per prompt: (its text, its first token's text)
+        self.per_prompt = per_prompt  # choices per prompt: choice i belongs to prompt i // per_prompt
         self.created = int(time.time())
         self.text_offset: dict[int, int] = {}  # completions: where each choice's next token text starts
 
@@ -402,25 +427,28 @@ class _Shape:
         return out
 
     def usage(self, completion_tokens: int) -> dict:
-        """The prompt counted once, however many choices read it."""
+        """Each prompt counted once, however many choices read it."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def _prompt_lists(self, prompt_logprobs: list[TokenLogprob | None]) -> tuple[dict, int]:
-        """echo: the completions API's lists for the prompt's tokens (the first has no log-probability: null, as
-        OpenAI gives it), and the text offset after the prompt."""
-        _, first = self.echo
+    def _prompt_text(self, index: int) -> str:
+        return self.echo[index // self.per_prompt][0]
+
+    def _prompt_lists(self, prompt_logprobs: list[TokenLogprob | None], index: int) -> tuple[dict, int]:
+        """echo: the completions API's lists for the tokens of choice `index`'s prompt (the first has no
+        log-probability: null, as OpenAI gives it), and the text offset after the prompt."""
+        _, first = self.echo[index // self.per_prompt]
         lists, offset = _completion_logprobs(list(prompt_logprobs[1:]), len(first))
         return {"tokens": [first] + lists["tokens"], "token_logprobs": [None] + lists["token_logprobs"],
                 "top_logprobs": [None] + lists["top_logprobs"], "text_offset": [0] + lists["text_offset"]}, offset
 
-    def _echoed(self, choice: _Choice) -> tuple[str, dict | None]:
+    def _echoed(self, choice: _Choice, index: int) -> tuple[str, dict | None]:
         """A completions choice with echo: the prompt's text before the completion's, and the prompt tokens'
         log-probabilities before the generated ones."""
-        text = self.echo[0] + "".join(choice.text)
+        text = self._prompt_text(index) + "".join(choice.text)
         if not self.logprobs:
             return text, None
-        lists, offset = self._prompt_lists(choice.prompt_logprobs)
+        lists, offset = self._prompt_lists(choice.prompt_logprobs, index)
         generated, _ = _completion_logprobs(choice.logprobs, offset)
         return text, {key: lists[key] + generated[key] for key in lists}
 
@@ -429,18 +457,18 @@ class _Shape:
         generated tokens' text offsets then count from the prompt's end."""
         lists = None
         if self.logprobs:
-            lists, self.text_offset[index] = self._prompt_lists(prompt_logprobs)
+            lists, self.text_offset[index] = self._prompt_lists(prompt_logprobs, index)
         else:
-            self.text_offset[index] = len(self.echo[0])
-        return self._wrap([{"index": index, "text": self.echo[0], "logprobs": lists, "finish_reason": None}],
-                          chunk=True)
+            self.text_offset[index] = len(self._prompt_text(index))
+        return self._wrap([{"index": index, "text": self._prompt_text(index), "logprobs": lists,
+                            "finish_reason": None}], chunk=True)
 
     def full(self, choices: list[_Choice], completion_tokens: int) -> dict:
         out = []
         for index, c in enumerate(choices):
             text, reason = "".join(c.text), c.last.finish_reason
             if self.echo is not None:
-                text, logprobs = self._echoed(c)
+                text, logprobs = self._echoed(c, index)
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
                 continue
             if self.chat:
