@@ -647,6 +647,35 @@ def test_stop_token_ids_end_the_sequence_and_min_tokens_holds_them_back():
     assert run(min_tokens=2, ignore_eos=True, logit_bias=((7, 100.0),))[0] == [7] * 10
 
 
+def test_api_key_guards_the_v1_endpoints(monkeypatch):
+    """With an API key, /v1 answers 401 (OpenAI's error shape) unless the request carries `Authorization: Bearer
+    <key>`; /health and /metrics stay open. Without a key nothing is asked. `serve` and `bench serve` take the key
+    from --api-key, else from OSCARKV_API_KEY."""
+    from fastapi.testclient import TestClient
+
+    from oscarkv.cli import _api_key, build_parser
+    from oscarkv.serving.api import create_app
+
+    monkeypatch.delenv("OSCARKV_API_KEY", raising=False)
+    assert _api_key(build_parser().parse_args(["serve", "m"])) is None
+    assert _api_key(build_parser().parse_args(["bench", "serve", "--api-key", "x"])) == "x"
+    monkeypatch.setenv("OSCARKV_API_KEY", "k")
+    assert _api_key(build_parser().parse_args(["serve", "m"])) == "k"
+
+    engine = _tiny_engine()
+    with TestClient(create_app(engine, "tiny", api_key="s3cret")) as c:
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = c.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        assert c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 401
+        ok = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2},
+                    headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    with TestClient(create_app(_tiny_engine(), "tiny")) as c:
+        assert c.get("/v1/models").status_code == 200
+
+
 def test_bad_engine_settings_name_the_fix():
     with pytest.raises(OscarError, match="max_seqs"):
         EngineConfig(max_seqs=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -425,6 +426,11 @@ def _warm_up_with_bar(engine) -> bool:
         return engine.warm_up(progress=show)
 
 
+def _api_key(args) -> str | None:
+    """--api-key, else the OSCARKV_API_KEY environment variable (which keeps the key out of the process list)."""
+    return args.api_key or os.environ.get("OSCARKV_API_KEY") or None
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -455,8 +461,8 @@ def cmd_serve(args) -> int:
     print(f"oscarkv serve: {args.model} ({args.method} cache on {model.device}{pages}, "
           f"{usage.bytes_total / 2**20:.0f} MiB of KV tensors), {config.max_seqs} slots x {config.max_context} tokens; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(engine, args.served_name or args.model), host=args.host, port=args.port,
-                log_level=args.log_level)
+    uvicorn.run(create_app(engine, args.served_name or args.model, api_key=_api_key(args)), host=args.host,
+                port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -484,7 +490,7 @@ def _bench_serve(args) -> int:
 
         result = asyncio.run(measure_throughput(args.url.rstrip("/"), args.clients, args.prompt_tokens,
                                                 args.max_tokens, args.vocab, temperature=args.temperature,
-                                                top_p=args.top_p, choices=args.choices))
+                                                top_p=args.top_p, choices=args.choices, api_key=_api_key(args)))
         print(json.dumps(result.to_dict(), indent=2) if args.json else
               f"{result.clients} requests of {result.prompt_tokens} prompt tokens"
               f"{f' ({result.choices} choices each)' if result.choices > 1 else ''} running together: "
@@ -493,7 +499,7 @@ def _bench_serve(args) -> int:
               f"KV in use {result.kv_bytes_used_peak / 2**30:.2f} GiB of {result.kv_bytes_total / 2**30:.2f} GiB")
         return 0 if result.failed == 0 else 1
     config = LoadConfig(args.url.rstrip("/"), args.clients, args.duration, args.prompt_words, args.max_tokens,
-                        args.disconnect_every, args.probe_interval)
+                        args.disconnect_every, args.probe_interval, api_key=_api_key(args))
     words = load_text(args.text).split()
     with tqdm(desc="completed requests", unit="req", disable=args.json) as progress:
         report = asyncio.run(run_load(config, words, progress))
@@ -634,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0, help="throughput mode: 0 is greedy, else sampled")
     b.add_argument("--top-p", type=float, default=1.0, help="throughput mode: top_p of sampled requests")
     b.add_argument("--choices", type=int, default=1, help="throughput mode: n, the choices of every request")
+    b.add_argument("--api-key", default=None, help="the server's API key (default: OSCARKV_API_KEY, else none)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_serve)
 
@@ -691,6 +698,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warm-up", action="store_true",
                    help="on CUDA, skip running every batch size once before serving (kernels then compile "
                         "during the first requests)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every /v1 request (401 without it); default: the "
+                        "OSCARKV_API_KEY environment variable, else no key")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 

@@ -26,6 +26,7 @@ is full or the engine has stopped. A client that disconnects frees its slot at t
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import time
@@ -190,8 +191,10 @@ def _rss_bytes() -> int:
         return 0
 
 
-def create_app(engine: Engine, served_model: str) -> FastAPI:
-    """The app over a started or not-yet-started engine (it is started and stopped with the app)."""
+def create_app(engine: Engine, served_model: str, api_key: str | None = None) -> FastAPI:
+    """The app over a started or not-yet-started engine (it is started and stopped with the app). api_key: if
+    set, every /v1 request must carry `Authorization: Bearer <api_key>` (401 otherwise); /health and /metrics
+    stay open, as vLLM keeps them."""
     tokenizer = engine.tokenizer
     max_context = engine.config.max_context
     created = int(time.time())
@@ -202,6 +205,18 @@ def create_app(engine: Engine, served_model: str) -> FastAPI:
         engine.stop()
 
     app = FastAPI(title="oscarkv", lifespan=lifespan)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _authorized(request: Request, call_next):
+            if request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return _error(401, "this server needs an API key: send the header `Authorization: Bearer "
+                                  "<key>` with the key the server was started with.", "invalid_api_key")
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

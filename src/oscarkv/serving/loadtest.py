@@ -34,6 +34,7 @@ class LoadConfig:
     disconnect_every: int = 5
     probe_interval: float = 2.0
     seed: int = 0
+    api_key: str | None = None  # sent as `Authorization: Bearer` to a server started with --api-key
 
 
 @dataclass
@@ -63,6 +64,11 @@ class LoadReport:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header a server started with --api-key wants (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -101,7 +107,8 @@ async def run_load(config: LoadConfig, words: list[str], progress=None) -> LoadR
     ttft, latency = [], []
     limits = httpx.Limits(max_connections=config.clients + 8, max_keepalive_connections=config.clients + 8)
     timeout = httpx.Timeout(300.0, connect=10.0)
-    async with httpx.AsyncClient(base_url=config.url, limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(base_url=config.url, limits=limits, timeout=timeout,
+                                 headers=auth_headers(config.api_key)) as client:
         served = (await client.get("/v1/models")).json()["data"][0]
         # Warm-up: one request per client, so that "before" is taken with the server's buffers grown.
         warm = {"model": served["id"], "prompt": " ".join(words[:config.prompt_words]), "max_tokens": 2}
@@ -257,7 +264,7 @@ class ThroughputReport:
 
 async def measure_throughput(url: str, clients: int, prompt_tokens: int, max_tokens: int, vocab: int,
                              seed: int = 0, temperature: float = 0.0, top_p: float = 1.0,
-                             choices: int = 1) -> ThroughputReport:
+                             choices: int = 1, api_key: str | None = None) -> ThroughputReport:
     """Send `clients` streaming requests of `prompt_tokens` random token ids at once; once every one
     has its first token (every choice of it), count the server's generated tokens (/metrics) over a window that ends
     before any request can finish. Prompts are token ids, so lengths are exact. temperature 0: greedy;
@@ -268,7 +275,8 @@ async def measure_throughput(url: str, clients: int, prompt_tokens: int, max_tok
     started = asyncio.Event()
     first_seen = 0
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0, connect=10.0)) as client:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0, connect=10.0),
+                                 headers=auth_headers(api_key)) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         t0 = time.perf_counter()
 
