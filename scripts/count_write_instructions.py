@@ -2,12 +2,14 @@
 
 Compiles `_write_kernel` for a prompt (64-token blocks, 4 warps by default; 8 KV heads, D = 128, group 128, INT2,
 bfloat16 keys rotated by R_K's pieces, clip 0.96 / 0.92) to an sm_90 cubin with the installed Triton, counts its
-SASS instructions per warp (the clip bisection's loop counted 15 times, everything else once: a history block
-skips the sink and ring stores, so this somewhat over-counts them), and turns that into the time a 32K-token
+SASS instructions per warp (the clip bisection's loop counted --bisection-steps times: 9 where every row's clip
+ranks lie within 4 binades of its largest value, 15 in a block with a row where they do not; everything else
+once: a history block skips the sink and ring stores, so this somewhat over-counts them), and turns that into the time a 32K-token
 prompt needs if each of the H100's 132 × 4 schedulers issued one instruction per cycle at 1.755 GHz with nothing
 else in the way: a floor under the kernel's time from its instruction count alone.
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/count_write_instructions.py [--block 64] [--warps 4]
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/count_write_instructions.py [--block 64] [--warps 4] \
+        [--bisection-steps 9]
 
 Use the Triton version of the GPU (3.6 on the H100 machine) for figures that match it.
 """
@@ -22,17 +24,18 @@ from count_history_instructions import count, disassemble, loop_spans
 from oscarkv.kernels import triton_write
 from oscarkv.kernels.compile_check import WRITE_TYPES, compile_kernel
 
-TOKENS, KV_HEADS, SCHEDULERS, CLOCK_GHZ, BISECTION_STEPS = 32768, 8, 132 * 4, 1.755, 15
+TOKENS, KV_HEADS, SCHEDULERS, CLOCK_GHZ = 32768, 8, 132 * 4, 1.755
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", type=int, default=64, help="tokens per program")
     parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--bisection-steps", type=int, default=9, help="iterations of the clip's loop")
     parser.add_argument("--opcodes", action="store_true", help="also the most frequent opcodes (static)")
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90, {args.block}-token blocks, {args.warps} warps; a {TOKENS}-token "
-          f"prompt, {KV_HEADS} KV heads")
+          f"prompt, {KV_HEADS} KV heads; the clip's loop counted {args.bisection_steps} times")
     print("rotate  clip  registers  instructions per warp (loop)  issue floor")
     for rotate, clip in ((2, True), (2, False), (0, True), (0, False)):
         constants = dict(HKV=KV_HEADS, D=128, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256,
@@ -48,7 +51,7 @@ def main() -> None:
         _, loops = loop_spans(sass)
         # the clip's bisection is the largest loop (others are a few-instruction wait)
         in_loops = max(sum(count(sass[start:end + 1]).values()) for start, end in loops) if clip else 0
-        per_warp = sum(count(sass).values()) + (BISECTION_STEPS - 1) * in_loops
+        per_warp = sum(count(sass).values()) + (args.bisection_steps - 1) * in_loops
         programs = TOKENS // args.block * KV_HEADS
         floor_us = per_warp * args.warps * programs / SCHEDULERS / (CLOCK_GHZ * 1e3)
         registers = usage.split("REG:")[1].split()[0]

@@ -305,6 +305,34 @@ def test_clip_threshold_with_many_ties():
     _drive(layout, 4, [[90, 40], [1, 1]], values=few_values, center=False, rotate=False, clip_k=0.9, clip_v=0.96)
 
 
+def _with_outliers(x):
+    """About 2 in 100 values 40 times larger: rows whose clip rank lies more than 4 binades below their largest
+    value (those with 1 to 5 outliers) beside rows where it does not."""
+    g = torch.Generator().manual_seed(5)
+    return torch.where(torch.rand(x.shape, generator=g).to(x.device) < 0.02, x * 40, x)
+
+
+def test_clip_threshold_far_below_outliers():
+    """The clip bisection first searches the 4 binades below a row's largest value, and searches the rest for
+    rows where a few outliers put the order statistic lower; both must find it exactly (bfloat16 windows, the
+    packed bisection), in the prompt's 64-token blocks and in the flush: the stored codes, scales and zeros equal
+    the reference's. Not rotated, so that the outliers reach the clip. (Only what is stored is compared: attention
+    over raw keys with such outliers is ill-conditioned.)"""
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
+    runs = [PagedRun(layout, 2, 1024, 4, backend, device=DEVICE, center=False, rotate=False)
+            for backend in ("triton", "torch")]
+    g = torch.Generator().manual_seed(7)
+    for new_tokens in ([140, 40], [1, 1], [1, 1]):
+        q, k, v = random_step(layout, 4, new_tokens, g, dtype=torch.bfloat16, device=DEVICE)
+        k, v = _with_outliers(k), _with_outliers(v)
+        for run in runs:
+            run.step(new_tokens, q, k, v)
+        layers = [run.layer for run in runs]
+        for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"):
+            kernel, reference = getattr(layers[0], name), getattr(layers[1], name)
+            assert torch.equal(kernel, reference), (name, int((kernel != reference).sum()), kernel.numel())
+
+
 @pytest.mark.parametrize("head_dim,group,shift_block,num_splits", [(64, 64, 32, None), (128, 64, 40, None),
                                                                    (128, 128, 48, 5)])
 def test_key_shifts_of_rope_centering(head_dim, group, shift_block, num_splits):

@@ -126,28 +126,57 @@ def _below_or_equal(mid, p):
 
 
 @triton.jit
+def _row_max_patterns(p0, p1, p2, p3):
+    """Per row, the largest |k| and |v| pattern of packed words (`_pack_patterns`). The high half orders a word, so
+    the largest word holds the largest key pattern."""
+    k_max = (tl.max(tl.maximum(tl.maximum(p0, p1), tl.maximum(p2, p3)), 1) >> 16).to(tl.int32)
+    v = tl.maximum(tl.maximum(p0 & 0x7FFF, p1 & 0x7FFF), tl.maximum(p2 & 0x7FFF, p3 & 0x7FFF))
+    return k_max, tl.max(v, 1).to(tl.int32)
+
+
+@triton.jit
+def _packed_count(k_mid, v_mid, p0, p1, p2, p3):
+    """Per row, (how many |k| patterns are <= k_mid, how many |v| patterns are <= v_mid): one compare and one row
+    sum of the packed words for both (each half of the count is at most D, so the halves never carry)."""
+    mid = (((k_mid | 0x8000) << 16) | (v_mid | 0x8000)).to(tl.uint32, bitcast=True)[:, None]
+    flags = _below_or_equal(mid, p0) + _below_or_equal(mid, p1)
+    flags += _below_or_equal(mid, p2) + _below_or_equal(mid, p3)
+    count = tl.sum(flags, 1).to(tl.int32, bitcast=True)
+    return count >> 16, count & 0xFFFF
+
+
+@triton.jit
 def _packed_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_V: tl.constexpr):
     """`_clip_thresholds` for bfloat16 values: the patterns of |k| and |v| share one word
-    (`_pack_patterns`), and both bisections count with one compare and one row sum per step (each
-    half of the count is at most D, so the halves never carry)."""
+    (`_pack_patterns`), and both bisections count with one compare and one row sum per step (`_packed_count`).
+
+    The bisection starts from each row's largest pattern M: the order statistic lies in [M - 511, M] whenever
+    fewer than RANK + 1 patterns lie below M - 511 (a clip rank sits within 4 binades of the row's largest value
+    unless a few outliers dwarf the rest), and 9 steps cover that window. One count checks it for every row; a
+    block where some row fails searches [0, M - 512] for that row instead, in the full 15 steps."""
+    WINDOW: tl.constexpr = 511
     p0 = _pack_patterns(k0, v0)
     p1 = _pack_patterns(k1, v1)
     p2 = _pack_patterns(k2, v2)
     p3 = _pack_patterns(k3, v3)
-    k_lo = tl.zeros([k0.shape[0]], tl.int32)
-    k_hi = tl.full([k0.shape[0]], 0x7F80, tl.int32)
-    v_lo = tl.zeros([v0.shape[0]], tl.int32)
-    v_hi = tl.full([v0.shape[0]], 0x7F80, tl.int32)
+    k_hi, v_hi = _row_max_patterns(p0, p1, p2, p3)
+    k_lo = tl.maximum(k_hi - WINDOW, 0)
+    v_lo = tl.maximum(v_hi - WINDOW, 0)
+    k_below, v_below = _packed_count(tl.maximum(k_lo - 1, 0), tl.maximum(v_lo - 1, 0), p0, p1, p2, p3)
+    k_in = (k_lo == 0) | (k_below <= RANK_K) | (RANK_K < 0)  # the rank's pattern is >= k_lo
+    v_in = (v_lo == 0) | (v_below <= RANK_V) | (RANK_V < 0)
+    k_hi = tl.where(k_in, k_hi, k_lo - 1)
+    k_lo = tl.where(k_in, k_lo, 0)
+    v_hi = tl.where(v_in, v_hi, v_lo - 1)
+    v_lo = tl.where(v_in, v_lo, 0)
+    steps = tl.where(tl.min((k_in & v_in).to(tl.int32), 0) > 0, 9, 15)
     if RANK_K >= 0 or RANK_V >= 0:
-        for _ in range(15):
+        for _ in range(steps):
             k_mid = k_lo + (k_hi - k_lo) // 2
             v_mid = v_lo + (v_hi - v_lo) // 2
-            mid = (((k_mid | 0x8000) << 16) | (v_mid | 0x8000)).to(tl.uint32, bitcast=True)[:, None]
-            flags = _below_or_equal(mid, p0) + _below_or_equal(mid, p1)
-            flags += _below_or_equal(mid, p2) + _below_or_equal(mid, p3)
-            count = tl.sum(flags, 1).to(tl.int32, bitcast=True)
-            k_enough = (count >> 16) > RANK_K
-            v_enough = (count & 0xFFFF) > RANK_V
+            k_count, v_count = _packed_count(k_mid, v_mid, p0, p1, p2, p3)
+            k_enough = k_count > RANK_K
+            v_enough = v_count > RANK_V
             k_lo, k_hi = tl.where(k_enough, k_lo, k_mid + 1), tl.where(k_enough, k_mid, k_hi)
             v_lo, v_hi = tl.where(v_enough, v_lo, v_mid + 1), tl.where(v_enough, v_mid, v_hi)
     return (k_lo << 16).to(tl.float32, bitcast=True), (v_lo << 16).to(tl.float32, bitcast=True)
