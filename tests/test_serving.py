@@ -669,6 +669,9 @@ def test_api_key_guards_the_v1_endpoints(monkeypatch):
             r = c.get("/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
         assert c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 401
+        assert c.post("/detokenize", json={"tokens": [1, 2]}).status_code == 401
+        assert c.post("/detokenize", json={"tokens": [1, 2]}, headers={"Authorization": "Bearer s3cret"}
+                      ).status_code == 200
         ok = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2},
                     headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
@@ -840,6 +843,25 @@ def test_a_list_of_prompts_gives_each_what_it_gives_alone(client):
     best = client.post("/v1/completions", json={"prompt": prompts, **base, "n": 1, "best_of": 2}).json()
     assert [c["text"] for c in best["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert best["usage"]["completion_tokens"] == 16
+
+
+@pytest_model
+def test_tokenize_and_detokenize(client, served):
+    """vLLM's /tokenize gives the tokens the server reads (a prompt, or a chat through its template: as many as the
+    chat completion bills), and /detokenize their text back; bad bodies get OpenAI's errors."""
+    text = "The capital of France is"
+    tokens = client.post("/tokenize", json={"prompt": text}).json()
+    assert tokens["tokens"] == served.tokenizer(text).input_ids and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 1024
+    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    billed = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "temperature": 0})
+    assert chat["count"] == billed.json()["usage"]["prompt_tokens"]
+    for path, body, status in (("/tokenize", {"prompt": "x", "messages": messages}, 400), ("/tokenize", {}, 400),
+                               ("/detokenize", {"tokens": [10 ** 9]}, 400), ("/tokenize", {"prompt": "x", "model": "m"}, 404)):
+        r = client.post(path, json=body)
+        assert r.status_code == status and "error" in r.json(), (path, body)
 
 
 @pytest_model

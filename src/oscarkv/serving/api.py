@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of `oscarkv serve` (FastAPI; run by uvicorn).
 
 Endpoints: POST /v1/completions and /v1/chat/completions (with `"stream": true` as
-server-sent events, ending with `data: [DONE]`), GET /v1/models, /health and /metrics
+server-sent events, ending with `data: [DONE]`), vLLM's POST /tokenize and /detokenize, GET /v1/models, /health and
+/metrics
 (Prometheus text: KV pages and bytes, slots, queue, request and token counters, process RSS).
 
 Log-probabilities: completions' `logprobs: N` and chat's `logprobs: true` with `top_logprobs: N` (N <= 20)
@@ -168,6 +169,24 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt (text) or a chat (messages, through the chat template)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -193,8 +212,8 @@ def _rss_bytes() -> int:
 
 def create_app(engine: Engine, served_model: str, api_key: str | None = None) -> FastAPI:
     """The app over a started or not-yet-started engine (it is started and stopped with the app). api_key: if
-    set, every /v1 request must carry `Authorization: Bearer <api_key>` (401 otherwise); /health and /metrics
-    stay open, as vLLM keeps them."""
+    set, every /v1, /tokenize and /detokenize request must carry `Authorization: Bearer <api_key>` (401
+    otherwise); /health and /metrics stay open, as vLLM keeps them."""
     tokenizer = engine.tokenizer
     max_context = engine.config.max_context
     created = int(time.time())
@@ -211,7 +230,7 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
 
         @app.middleware("http")
         async def _authorized(request: Request, call_next):
-            if request.url.path.startswith("/v1"):
+            if request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
                     return _error(401, "this server needs an API key: send the header `Authorization: Bearer "
@@ -238,6 +257,35 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
     async def models():
         return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
                                             "owned_by": "oscarkv", "max_model_len": max_context}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        if body.model is not None and body.model != served_model:
+            return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
+                          "model_not_found", "model")
+        if (body.prompt is None) == (body.messages is None):
+            return _error(400, "send either prompt (text) or messages (a chat).", "invalid_request", "prompt")
+        if body.messages is not None:
+            if getattr(tokenizer, "chat_template", None) is None:
+                return _error(400, "this model has no chat template; tokenize a prompt instead.", "no_chat_template")
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            except ValueError as exc:
+                return _error(400, f"messages: {exc}", "unsupported_parameter", "messages")
+            tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                   tokenize=True, return_dict=True)["input_ids"]
+        else:
+            tokens = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"count": len(tokens), "max_model_len": max_context, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        if body.model is not None and body.model != served_model:
+            return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
+                          "model_not_found", "model")
+        if any(t < 0 or t >= len(tokenizer) for t in body.tokens):
+            return _error(400, f"tokens must lie in [0, {len(tokenizer)}).", "invalid_request", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/metrics")
     async def metrics():
