@@ -62,6 +62,14 @@ def _drain(engine, limit=2000):
     raise AssertionError("the engine did not go idle")
 
 
+def _alone(engine, prompt, max_tokens, **settings):
+    """One request run to its end by itself: (its generated tokens' log-probability entries, its events)."""
+    events = Collector()
+    engine.submit(prompt, SamplingParams(max_tokens=max_tokens, logprobs=0, **settings), events)
+    _drain(engine)
+    return [entry for event in events.events for entry in event.logprobs], events.events
+
+
 def _assert_only_retained_caches_hold(engine):
     """After the requests: the slots and pages in use are those of the retained caches (kept for reuse), and
     freeing them leaves nothing held or promised."""
@@ -561,10 +569,7 @@ def test_penalties_and_logit_bias_change_the_choice_not_the_logprobs():
     prompt = _prompt(30, seed=5)
 
     def run(**settings):
-        events = Collector()
-        engine.submit(prompt, SamplingParams(max_tokens=12, logprobs=0, **settings), events)
-        _drain(engine)
-        return [entry for event in events.events for entry in event.logprobs]
+        return _alone(engine, prompt, 12, **settings)[0]
 
     plain = [e.token for e in run()]
     assert plain.count(58) >= 6
@@ -628,10 +633,8 @@ def test_stop_token_ids_end_the_sequence_and_min_tokens_holds_them_back():
     prompt = _prompt(20, seed=4)
 
     def run(**settings):
-        events = Collector()
-        engine.submit(prompt, SamplingParams(max_tokens=10, logprobs=0, **settings), events)
-        _drain(engine)
-        return [e.token for event in events.events for e in event.logprobs], events.events[-1].finish_reason
+        entries, events = _alone(engine, prompt, 10, **settings)
+        return [e.token for e in entries], events[-1].finish_reason
 
     plain, reason = run()
     assert reason == "length" and len(plain) == 10

@@ -258,31 +258,43 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
         return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
                                             "owned_by": "oscarkv", "max_model_len": max_context}]}
 
+    def other_model(name: str | None) -> JSONResponse | None:
+        """404 for a request that names another model than the one served."""
+        if name is None or name == served_model:
+            return None
+        return _error(404, f"the model {name!r} is not served here; this server serves {served_model!r}.",
+                      "model_not_found", "model")
+
+    def chat_tokens(messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int] | JSONResponse:
+        """A chat's tokens through the model's chat template, or the error to answer."""
+        if getattr(tokenizer, "chat_template", None) is None:
+            return _error(400, "this model has no chat template; send a prompt (text) to /v1/completions instead.",
+                          "no_chat_template")
+        try:
+            texts = [{"role": m.role, "content": m.text()} for m in messages]
+        except ValueError as exc:
+            return _error(400, f"messages: {exc}", "unsupported_parameter", "messages")
+        return tokenizer.apply_chat_template(texts, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                             return_dict=True)["input_ids"]
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
-        if body.model is not None and body.model != served_model:
-            return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
-                          "model_not_found", "model")
+        if (wrong := other_model(body.model)) is not None:
+            return wrong
         if (body.prompt is None) == (body.messages is None):
             return _error(400, "send either prompt (text) or messages (a chat).", "invalid_request", "prompt")
         if body.messages is not None:
-            if getattr(tokenizer, "chat_template", None) is None:
-                return _error(400, "this model has no chat template; tokenize a prompt instead.", "no_chat_template")
-            try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            except ValueError as exc:
-                return _error(400, f"messages: {exc}", "unsupported_parameter", "messages")
-            tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                   tokenize=True, return_dict=True)["input_ids"]
+            tokens = chat_tokens(body.messages, body.add_generation_prompt)
+            if isinstance(tokens, JSONResponse):
+                return tokens
         else:
             tokens = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         return {"count": len(tokens), "max_model_len": max_context, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
-        if body.model is not None and body.model != served_model:
-            return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
-                          "model_not_found", "model")
+        if (wrong := other_model(body.model)) is not None:
+            return wrong
         if any(t < 0 or t >= len(tokenizer) for t in body.tokens):
             return _error(400, f"tokens must lie in [0, {len(tokenizer)}).", "invalid_request", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
@@ -313,14 +325,9 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
-        if getattr(tokenizer, "chat_template", None) is None:
-            return _error(400, "this model has no chat template; use /v1/completions.", "no_chat_template")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as exc:
-            return _error(400, f"messages: {exc}", "unsupported_parameter", "messages")
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]
+        prompt = chat_tokens(body.messages)
+        if isinstance(prompt, JSONResponse):
+            return prompt
         room = max(1, max_context - len(prompt))
         return await _run(body, request, [prompt], body.max_completion_tokens or body.max_tokens
                           or min(DEFAULT_CHAT_MAX_TOKENS, room), chat=True)
@@ -329,9 +336,8 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
                    echo: list[tuple[str, str]] | None = None):
         """prompts: each gets body.candidates choices, numbered prompt by prompt (OpenAI's order); echo: completions
         with echo, per prompt (its text, its first token's text)."""
-        if body.model is not None and body.model != served_model:
-            return _error(404, f"the model {body.model!r} is not served here; this server serves {served_model!r}.",
-                          "model_not_found", "model")
+        if (wrong := other_model(body.model)) is not None:
+            return wrong
         if (field := body.unsupported()) is not None:
             return _error(400, f"{field} is not supported by this server; leave it out of the request.",
                           "unsupported_parameter", field)
