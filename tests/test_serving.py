@@ -806,9 +806,10 @@ def test_chat_fields_beyond_plain_text(client):
     assert sampled.json()["choices"][0]["message"]["content"] == answer
     refused = [chat([{"type": "image_url", "image_url": {"url": "data:,"}}]),
                chat("Name a colour.", tools=[{"type": "function", "function": {"name": "f"}}]),
-               chat("Name a colour.", response_format={"type": "json_schema", "json_schema": {}})]
+               chat("Name a colour.", response_format={"type": "json_schema", "json_schema": {}}),
+               chat("Name a colour.", echo=True)]
     for r, needle in zip(refused, ("'image_url' are not supported", "tools is not supported",
-                                   "response_format is not supported")):
+                                   "response_format is not supported", "echo is not supported")):
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
         assert r.json()["error"]["code"] == "unsupported_parameter"
 

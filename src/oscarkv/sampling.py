@@ -71,13 +71,13 @@ def _ranked_draw(probs: torch.Tensor, limit: torch.Tensor, target: torch.Tensor,
     keep = to_device(top_k, torch.long, probs.device)[:, None]
     width = min(vocab, max([candidates] + [k for k in top_k if k < vocab]))
     ranked, order = probs.topk(width, dim=-1)  # most likely first
-    loose = keep > width  # rows without top_k: their nucleus must lie among the candidates
+    unlimited = keep >= vocab  # rows without top_k (every top_k lies within the width)
     # Exact when each such row's candidates hold top_p of the mass: every token after them has that much before it.
-    if width < vocab and not bool(((ranked.sum(dim=-1, keepdim=True) >= limit) | ~loose).all()):
+    if width < vocab and not bool(((ranked.sum(dim=-1, keepdim=True) >= limit) | ~unlimited).all()):
         ranked, order = probs.sort(dim=-1, descending=True)
     ranked = ranked * (torch.arange(ranked.shape[-1], device=probs.device) < keep)
     # top_p of the mass top_k left (all of it, 1, for rows without top_k)
-    mass = torch.where(loose | (keep >= vocab), torch.ones_like(limit), ranked.sum(dim=-1, keepdim=True))
+    mass = torch.where(unlimited, torch.ones_like(limit), ranked.sum(dim=-1, keepdim=True))
     return _draw(_nucleus(ranked, limit * mass), order, target)[:, 0]
 
 

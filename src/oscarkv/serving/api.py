@@ -59,6 +59,8 @@ UNSUPPORTED_FIELDS = {
     "guided_choice": lambda v: v is not None, "guided_grammar": lambda v: v is not None,
     "structured_outputs": lambda v: v is not None, "bad_words": lambda v: bool(v),
     "allowed_token_ids": lambda v: v is not None, "include_stop_str_in_output": lambda v: bool(v),
+    # fields of completions (declared there, so only a chat request reaches these)
+    "echo": lambda v: bool(v), "best_of": lambda v: v not in (None, 1),
 }
 
 
@@ -305,10 +307,8 @@ def create_app(engine: Engine, served_model: str, api_key: str | None = None) ->
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        batch = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
-            else [body.prompt]  # one prompt (text or token ids) or a list of them
-        if not batch:
-            return _error(400, "prompt: the list of prompts is empty.", "invalid_request", "prompt")
+        several = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+        batch = body.prompt if several else [body.prompt]  # a list of prompts, or one (text or token ids)
         if len(batch) > MAX_PROMPTS:
             return _error(400, f"prompt: {len(batch)} prompts in one request, more than {MAX_PROMPTS}; send them in "
                           "several requests.", "invalid_request", "prompt")
