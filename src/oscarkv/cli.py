@@ -460,7 +460,7 @@ def cmd_serve(args) -> int:
     pages = f", {usage.pages_total} INT2 pages" if usage.pages_total else ""
     print(f"oscarkv serve: {args.model} ({args.method} cache on {model.device}{pages}, "
           f"{usage.bytes_total / 2**20:.0f} MiB of KV tensors), {config.max_seqs} slots x {config.max_context} tokens; "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+          f"http://{args.host}:{args.port}/v1{' (an API key is required)' if _api_key(args) else ''}", file=sys.stderr)
     uvicorn.run(create_app(engine, args.served_name or args.model, api_key=_api_key(args)), host=args.host,
                 port=args.port, log_level=args.log_level)
     return 0
