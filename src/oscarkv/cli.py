@@ -457,11 +457,12 @@ def cmd_serve(args) -> int:
               if warmed else "oscarkv serve: no warm-up (the cache cannot hold its throw-away sequences)",
               file=sys.stderr)
     usage = engine.cache.usage()
+    api_key = _api_key(args)
     pages = f", {usage.pages_total} INT2 pages" if usage.pages_total else ""
     print(f"oscarkv serve: {args.model} ({args.method} cache on {model.device}{pages}, "
           f"{usage.bytes_total / 2**20:.0f} MiB of KV tensors), {config.max_seqs} slots x {config.max_context} tokens; "
-          f"http://{args.host}:{args.port}/v1{' (an API key is required)' if _api_key(args) else ''}", file=sys.stderr)
-    uvicorn.run(create_app(engine, args.served_name or args.model, api_key=_api_key(args)), host=args.host,
+          f"http://{args.host}:{args.port}/v1{' (an API key is required)' if api_key else ''}", file=sys.stderr)
+    uvicorn.run(create_app(engine, args.served_name or args.model, api_key=api_key), host=args.host,
                 port=args.port, log_level=args.log_level)
     return 0
 
@@ -699,7 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, skip running every batch size once before serving (kernels then compile "
                         "during the first requests)")
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on every /v1 request (401 without it); default: the "
+                   help="require `Authorization: Bearer KEY` on every /v1, /tokenize and /detokenize request (401 "
+                        "without it); default: the "
                         "OSCARKV_API_KEY environment variable, else no key")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
