@@ -98,12 +98,30 @@ def _page_params(scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P
     return tl.load(scale_ptr + at).to(tl.float32), tl.load(zero_ptr + at).to(tl.float32)
 
 
+# History scores stay in the units of the dots until the softmax: d = q·c counts in units of 2^-24 (the codes'
+# float16 bits, `_as_float16_units`), and a score Σ_d q·(c - z)·s = s·(2^24·d - z·Σq) is kept as
+# s·(d - z·Σq/unit) = score/unit, unit being 2^24 (UNIT_INV) or 3a·2^24 for Lloyd–Max levels, where
+# d = q·(c + kappa·b1) (`_lloyd_dot`). Two fused multiply-adds per element and group then give it (Σq/unit is
+# one number per query row), and the softmax multiplies by unit in the fused multiply-add that feeds exp2
+# (`_softmax_weights`). A bias (-inf for a masked key, or a key-shift term divided by unit) joins the last one.
+
+
 @triton.jit
-def _group_scores(d, scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, q_sum, unit):
-    """Scores of group g from d = q·c (units of 2^-24): Σ_d q·(c - z)·s = s·2^24·d - s·z·Σq. unit: 2^24
-    (UNIT_INV), or 3a·2^24 for Lloyd–Max levels, where d = q·(c + kappa·b1) (`_lloyd_dot`)."""
+def _scaled_scores(d, scale, zero, q_sum, acc=None):
+    """acc + the scores of one group in units of the dots, s·(d - z·Σq/unit) (see above; scale and zero:
+    float32, [1, P] or [BLOCK_M, P]; q_sum: [BLOCK_M], Σq/unit of the group's channels)."""
+    s = scale * (d - q_sum[:, None] * zero)
+    if acc is not None:
+        s = acc + s
+    return s
+
+
+@triton.jit
+def _group_scores(d, scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, q_sum,
+                  acc=None):
+    """acc + the scores of group g of one page in units of the dots (`_scaled_scores`)."""
     scale, zero = _page_params(scale_ptr, zero_ptr, row0, g, NG, P)
-    return d * (scale * unit)[None, :] - q_sum[:, None] * (scale * zero)[None, :]
+    return _scaled_scores(d, scale[None, :], zero[None, :], q_sum, acc)
 
 
 # Lloyd–Max levels (INT2, `quant.format`): level(c) = 3a·(c + kappa·b1), b1 the code's high bit. The
@@ -140,33 +158,33 @@ def _unit(unit, LLOYD: tl.constexpr):
 
 
 @triton.jit
-def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, unit, kc_ptr, ks_ptr, kz_ptr, row0,
+def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, kc_ptr, ks_ptr, kz_ptr, row0,
                     P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr):
-    """[BLOCK_M, P] float32 scores of the queries (float16 quarters q_i, their sums qs_i; qk_i = q_i·kappa
-    for Lloyd–Max levels) against one page of quantized keys. The dots run on the raw codes; the
-    scale and zero of each token and group are applied to the [BLOCK_M, P] result, not to the
-    [P, D] keys."""
+    """[BLOCK_M, P] float32 scores, in units of the dots, of the queries (float16 quarters q_i; qs_i: their sums
+    divided by unit; qk_i = q_i·kappa for Lloyd–Max levels) against one page of quantized keys. The dots run on
+    the raw codes; the scale and zero of each token and group are applied to the [BLOCK_M, P] result, not to
+    the [P, D] keys."""
     k0, k1, k2, k3, b0, b1, b2, b3 = _page_codes(kc_ptr, row0, P, D, BITS, LLOYD)
     d = _lloyd_dot(q0, tl.trans(k0), tl.trans(b0), qk0, None, LLOYD)
     if NG == 4:
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0, unit)
+        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0)
         s += _group_scores(_lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, None, LLOYD), ks_ptr, kz_ptr, row0, 1,
-                           NG, P, qs1, unit)
+                           NG, P, qs1)
         s += _group_scores(_lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, None, LLOYD), ks_ptr, kz_ptr, row0, 2,
-                           NG, P, qs2, unit)
+                           NG, P, qs2)
         s += _group_scores(_lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, None, LLOYD), ks_ptr, kz_ptr, row0, 3,
-                           NG, P, qs3, unit)
+                           NG, P, qs3)
     elif NG == 2:
         d = _lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, d, LLOYD)
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1, unit)
+        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1)
         d = _lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, None, LLOYD)
         d = _lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, d, LLOYD)
-        s += _group_scores(d, ks_ptr, kz_ptr, row0, 1, NG, P, qs2 + qs3, unit)
+        s += _group_scores(d, ks_ptr, kz_ptr, row0, 1, NG, P, qs2 + qs3)
     else:
         d = _lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, d, LLOYD)
         d = _lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, d, LLOYD)
         d = _lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, d, LLOYD)
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1 + qs2 + qs3, unit)
+        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1 + qs2 + qs3)
     return s
 
 
@@ -291,10 +309,10 @@ def _slice_scores(qs, qk, w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, A
 
 @triton.jit
 def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, qk4, qk5, qk6, qk7,
-                   qsum0, qsum1, qsum2, qsum3, unit, w0, w1, h0, h1, ks_ptr, kz_ptr, row0, P: tl.constexpr,
+                   qsum0, qsum1, qsum2, qsum3, w0, w1, h0, h1, ks_ptr, kz_ptr, row0, bias, P: tl.constexpr,
                    D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
-    """[BLOCK_M, P] float32 scores against one page of quantized keys (sliced path; qk_s: the slices
-    times kappa/2 for Lloyd–Max levels, with `unit` = 3a·2^24)."""
+    """bias + the [BLOCK_M, P] float32 scores, in units of the dots, against one page of quantized keys (sliced
+    path; qsum_g: Σq/unit of group g; qk_s: the slices times kappa/2 for Lloyd–Max levels)."""
     if NG == 1:
         d = _slice_scores(qs0, qk0, w0, w1, h0, h1, 0, BITS, ASM, LLOYD)
         d = _slice_scores(qs1, qk1, w0, w1, h0, h1, 1, BITS, ASM, LLOYD, d)
@@ -304,7 +322,7 @@ def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, q
         d = _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, BITS, ASM, LLOYD, d)
         d = _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, BITS, ASM, LLOYD, d)
         d = _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, BITS, ASM, LLOYD, d)
-        return _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, unit)
+        return _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, bias)
     else:
         d0 = tl.zeros([qs0.shape[0], P], tl.float32)
         d1 = tl.zeros([qs0.shape[0], P], tl.float32)
@@ -326,11 +344,11 @@ def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, q
                                        6, D, NG, BITS)
         d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, BITS, ASM, LLOYD),
                                        7, D, NG, BITS)
-        s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, unit)
-        s += _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1, unit)
+        s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, bias)
+        s = _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1, s)
         if NG == 4:
-            s += _group_scores(d2, ks_ptr, kz_ptr, row0, 2, NG, P, qsum2, unit)
-            s += _group_scores(d3, ks_ptr, kz_ptr, row0, 3, NG, P, qsum3, unit)
+            s = _group_scores(d2, ks_ptr, kz_ptr, row0, 2, NG, P, qsum2, s)
+            s = _group_scores(d3, ks_ptr, kz_ptr, row0, 3, NG, P, qsum3, s)
         return s
 
 
@@ -419,11 +437,11 @@ def _page_values(p, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, 
 
 @triton.jit
 def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                         vc_ptr, vs_ptr, vz_ptr, row0, half_kappa, P: tl.constexpr, D: tl.constexpr,
+                         vc_ptr, vs_ptr, vz_ptr, row0, half_kappa, unit, P: tl.constexpr, D: tl.constexpr,
                          NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
     """Online-softmax step over one page of quantized values (sliced path; `_page_values`).
-    s: masked scores."""
-    m_new, p, alpha, l = _softmax_weights(s, None, m, l)
+    s: masked scores in units of the dots (the keys' `unit`)."""
+    m_new, p, alpha, l = _softmax_weights(s, None, m, l, unit)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
         alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
         z0, z1, z2, z3, NG)
@@ -479,14 +497,20 @@ def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2,
 
 
 @triton.jit
-def _softmax_weights(s, visible, m, l):
+def _softmax_weights(s, visible, m, l, unit=None):
     """Base-2 online softmax over one key block: the new running max, the block's probabilities
-    p = 2^(s - max), the factor alpha that rescales the earlier sums, and the new sum l."""
+    p = 2^(s - max), the factor alpha that rescales the earlier sums, and the new sum l. unit: the scores
+    are s·unit (history scores in units of the dots), and the max and sum stay in plain units."""
     if visible is not None:  # None: s is masked already
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+    if unit is None:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+    else:  # unit > 0 keeps the max where it is; s·unit - max is one fused multiply-add
+        m_new = tl.maximum(m, tl.max(s, 1) * unit)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * unit - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
     return m_new, p, alpha, l * alpha + tl.sum(p, 1)
 
@@ -514,12 +538,12 @@ def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.c
 
 
 @triton.jit
-def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, kappa,
+def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, kappa, unit,
                   P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr):
-    """Online-softmax step over one page of quantized values. The accumulators a_i hold
-    Σ p·s·c in units of 2^-24 (LLOYD: Σ p·s·(c + kappa·b1)) and z_g holds Σ p·s·z, so that the output
-    is a·unit - z (`_group_scores`)."""
-    m_new, p, alpha, l = _softmax_weights(s, visible, m, l)
+    """Online-softmax step over one page of quantized values (s: scores in units of the dots, the keys'
+    `unit`). The accumulators a_i hold Σ p·s·c in units of 2^-24 (LLOYD: Σ p·s·(c + kappa·b1)) and z_g
+    holds Σ p·s·z, so that the output is a·unit - z (the values' unit)."""
+    m_new, p, alpha, l = _softmax_weights(s, visible, m, l, unit)
     v0, v1, v2, v3, b0, b1, b2, b3 = _page_codes(vc_ptr, row0, P, D, BITS, LLOYD)
     w0, z0 = _weighted_codes(p, alpha, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
     if NG == 1:
@@ -640,24 +664,25 @@ def _history_page_scores(index, end, bt_row, num_pages, h, qs0, qs1, qs2, qs3, q
                          P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
                          LLOYD: tl.constexpr, S: tl.constexpr, KEY_SHIFTS: tl.constexpr,
                          SHIFT_BLOCK: tl.constexpr, PART_PAGE: tl.constexpr, CHECK_END: tl.constexpr):
-    """Masked scores [BLOCK_M, P] of history page `index` (sliced path) and the page's first pool row."""
+    """Masked scores [BLOCK_M, P] of history page `index` in units of the dots (sliced path; g_i: Σq/unit per
+    group) and the page's first pool row."""
     row0, page_ok = _page_row(bt_row, index, end, num_pages, h, HKV, P, CHECK_END)
     kw0, kw1, kh0, kh1 = _page_words(kc_ptr, row0, P, D, BITS, ASM)
-    s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, qk4, qk5, qk6, qk7,
-                       g0, g1, g2, g3, unit, kw0, kw1, kh0, kh1, ks_ptr, kz_ptr, row0, P, D, NG, BITS, ASM, LLOYD)
-    if KEY_SHIFTS:
-        s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None]
-    # Padding rows have zero queries, so finite scores; their outputs are never stored. An invalid page
-    # and the rows at or after hist_limit are masked here. Without a window the mask is one bias per
-    # key: a [BLOCK_M, P] mask tile costs ~140 instructions per page.
     hist_pos = S + index * P + tl.arange(0, P)
+    # Padding rows have zero queries, so finite scores; their outputs are never stored. An invalid page
+    # and the rows at or after hist_limit get -inf from a bias that joins the scores' last fused
+    # multiply-add: one scalar per page where the history ends at a page edge (a per-key bias costs 4% at
+    # 32x32K on the H100, a [BLOCK_M, P] mask tile ~140 instructions per page). A window masks after.
+    bias = tl.where(page_ok, 0.0, float("-inf"))
+    if KEY_SHIFTS:
+        bias = bias + _score_shift(shift_ptr, num_blocks, q_row, row_valid, index, S, P, SHIFT_BLOCK)[:, None] / unit
+    if PART_PAGE:
+        bias = bias + tl.where(hist_pos < hist_limit, 0.0, float("-inf"))[None, :]
+    s = _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, qk4, qk5, qk6, qk7,
+                       g0, g1, g2, g3, kw0, kw1, kh0, kh1, ks_ptr, kz_ptr, row0, bias, P, D, NG, BITS, ASM, LLOYD)
     if window > 0:
-        s = tl.where(page_ok & (hist_pos < hist_limit)[None, :] & (query_pos[:, None] - hist_pos[None, :] < window),
+        s = tl.where((hist_pos < hist_limit)[None, :] & (query_pos[:, None] - hist_pos[None, :] < window),
                      s, float("-inf"))
-    elif PART_PAGE:
-        s += tl.where(page_ok & (hist_pos < hist_limit), 0.0, float("-inf"))[None, :]
-    else:  # one scalar bias: the per-key one costs 4% at 32x32K on the H100
-        s += tl.where(page_ok, 0.0, float("-inf"))
     return s, row0
 
 
@@ -783,6 +808,11 @@ def _paged_attention_kernel(
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, K_BITS)
+        k_units = _unit(k_unit, K_LLOYD)  # the scores stay in units of the dots (see `_scaled_scores`)
+        g0 = g0 / k_units
+        g1 = g1 / k_units
+        g2 = g2 / k_units
+        g3 = g3 / k_units
         qk0 = _times(qs0, k_kappa * 0.5, K_LLOYD)  # the high bits read as 2·b1
         qk1 = _times(qs1, k_kappa * 0.5, K_LLOYD)
         qk2 = _times(qs2, k_kappa * 0.5, K_LLOYD)
@@ -820,11 +850,11 @@ def _paged_attention_kernel(
                 for a in tl.static_range(ROW_GROUPS):
                     s_a, row0 = _history_page_scores(
                         base + a, hi, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2,
-                        qk3, qk4, qk5, qk6, qk7, g0, g1, g2, g3, _unit(k_unit, K_LLOYD), kc_ptr, ks_ptr, kz_ptr,
+                        qk3, qk4, qk5, qk6, qk7, g0, g1, g2, g3, k_units, kc_ptr, ks_ptr, kz_ptr,
                         shift_ptr, num_blocks, q_row, row_valid, hist_limit, query_pos, window, HKV, P, D, NG,
                         K_BITS, ASM, K_LLOYD, S, KEY_SHIFTS, SHIFT_BLOCK, PART_PAGE, True)
                     s = tl.where((group == a)[:, None], s_a, s)
-                m_new, p, alpha, l = _softmax_weights(s, None, m, l)
+                m_new, p, alpha, l = _softmax_weights(s, None, m, l, k_units)
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
                     alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
                     acc7, z0, z1, z2, z3, NG)
@@ -839,12 +869,12 @@ def _paged_attention_kernel(
             for index in range(lo, hi):
                 s, row0 = _history_page_scores(
                     index, hi, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3,
-                    qk4, qk5, qk6, qk7, g0, g1, g2, g3, _unit(k_unit, K_LLOYD), kc_ptr, ks_ptr, kz_ptr, shift_ptr,
+                    qk4, qk5, qk6, qk7, g0, g1, g2, g3, k_units, kc_ptr, ks_ptr, kz_ptr, shift_ptr,
                     num_blocks, q_row, row_valid, hist_limit, query_pos, window, HKV, P, D, NG, K_BITS, ASM,
                     K_LLOYD, S, KEY_SHIFTS, SHIFT_BLOCK, PART_PAGE, False)
                 m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
                     s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                    vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, P, D, NG, V_BITS, ASM, V_LLOYD)
+                    vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, k_units, P, D, NG, V_BITS, ASM, V_LLOYD)
         a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, tl.max(z0, 1),
                                           tl.max(z1, 1), tl.max(z2, 1), tl.max(z3, 1), _unit(v_unit, V_LLOYD),
                                           D, NG, V_BITS)
@@ -852,11 +882,12 @@ def _paged_attention_kernel(
             m, l, a0, a1, a2, a3 = _merge_row_groups(m, l, a0, a1, a2, a3, G, BLOCK_M)
             row_valid = r < count * G  # row i < G holds query head h·G + i; the copies are not stored
     elif has_history:
-        # Sums of the rounded query quarters, for the zero points (see _group_scores).
-        qs0 = tl.sum(q0.to(tl.float32), 1)
-        qs1 = tl.sum(q1.to(tl.float32), 1)
-        qs2 = tl.sum(q2.to(tl.float32), 1)
-        qs3 = tl.sum(q3.to(tl.float32), 1)
+        # Sums of the rounded query quarters over unit, for the zero points (see `_scaled_scores`).
+        k_units = _unit(k_unit, K_LLOYD)
+        qs0 = tl.sum(q0.to(tl.float32), 1) / k_units
+        qs1 = tl.sum(q1.to(tl.float32), 1) / k_units
+        qs2 = tl.sum(q2.to(tl.float32), 1) / k_units
+        qs3 = tl.sum(q3.to(tl.float32), 1) / k_units
         qk0 = _times(q0, k_kappa, K_LLOYD)
         qk1 = _times(q1, k_kappa, K_LLOYD)
         qk2 = _times(q2, k_kappa, K_LLOYD)
@@ -877,17 +908,18 @@ def _paged_attention_kernel(
             page = tl.load(bt_row + index // PARTS)
             page_ok = (page >= 0) & (page < num_pages)
             row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P + (index % PARTS) * KEYS
-            s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, _unit(k_unit, K_LLOYD),
-                                kc_ptr, ks_ptr, kz_ptr, row0, KEYS, D, NG, K_BITS, K_LLOYD)
+            s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, kc_ptr, ks_ptr, kz_ptr, row0,
+                                KEYS, D, NG, K_BITS, K_LLOYD)
             if KEY_SHIFTS:
-                s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index // PARTS, S, P, SHIFT_BLOCK)[:, None]
+                s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index // PARTS, S, P,
+                                  SHIFT_BLOCK)[:, None] / k_units
             hist_pos = S + index * KEYS + tl.arange(0, KEYS)
             visible = page_ok & row_valid[:, None] & (hist_pos < hist_limit)[None, :]
             if window > 0:
                 visible = visible & (query_pos[:, None] - hist_pos[None, :] < window)
             m, l, a0, a1, a2, a3, z0, z1, z2, z3 = _history_step(
-                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, v_kappa, KEYS, D, NG,
-                V_BITS, V_LLOYD)
+                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, v_kappa, k_units, KEYS,
+                D, NG, V_BITS, V_LLOYD)
         # Back to plain units for the full-precision regions below and the output.
         v_units = _unit(v_unit, V_LLOYD)
         a0 = a0 * v_units - z0[:, None]
