@@ -503,14 +503,13 @@ def _softmax_weights(s, visible, m, l, unit=None):
     are s·unit (history scores in units of the dots), and the max and sum stay in plain units."""
     if visible is not None:  # None: s is masked already
         s = tl.where(visible, s, float("-inf"))
-    if unit is None:
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-    else:  # unit > 0 keeps the max where it is; s·unit - max is one fused multiply-add
-        m_new = tl.maximum(m, tl.max(s, 1) * unit)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * unit - m_safe[:, None])
+    block_max = tl.max(s, 1)
+    if unit is not None:  # unit > 0 keeps the max where it is; s·unit - max below is one fused multiply-add
+        block_max = block_max * unit
+        s = s * unit
+    m_new = tl.maximum(m, block_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
     return m_new, p, alpha, l * alpha + tl.sum(p, 1)
 
