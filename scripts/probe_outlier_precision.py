@@ -1,12 +1,13 @@
 """Developer tool (CPU, Triton interpreter; or a GPU): how far the decode/prefill attention kernels are from exact
 attention on keys and values with outliers, beside BF16 and FP16 SDPA over the same stored contents.
 
-    TRITON_INTERPRET=1 PYTHONPATH=src python scripts/probe_outlier_precision.py [--bf16-queries]
+    TRITON_INTERPRET=1 PYTHONPATH=src python scripts/probe_outlier_precision.py [--bf16-queries] [--outliers k]
 
 The data is `test_clip_threshold_far_below_outliers`'s: keys and values neither rotated nor centered, about 2 in
 100 entries 40 times the rest. Every attention reads the same stored history (INT2 codes, scales, zeros) and
 windows; "exact" is float64 attention over them. Queries are float32 by default, so that the outputs are float32;
-with --bf16-queries the outputs are bfloat16, as a bfloat16 model's are, and their rounding shows too."""
+with --bf16-queries the outputs are bfloat16, as a bfloat16 model's are, and their rounding shows too.
+--outliers k (or v): only the keys (or the values) get them."""
 import argparse
 import sys
 from pathlib import Path
@@ -51,6 +52,7 @@ def attention_over_stored(layer, batch, q, k_rot, v, scale, dtype, sdpa: bool) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bf16-queries", action="store_true")
+    parser.add_argument("--outliers", choices=("kv", "k", "v"), default="kv", help="which of keys and values get them")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
@@ -60,7 +62,8 @@ def main() -> None:
     scale = layout.head_dim ** -0.5
     for new_tokens in ([140, 40], [1, 1], [1, 1]):
         q, k, v = random_step(layout, 4, new_tokens, g, dtype=torch.bfloat16, device=device)
-        k, v = _with_outliers(k), _with_outliers(v)
+        k = _with_outliers(k) if "k" in args.outliers else k
+        v = _with_outliers(v) if "v" in args.outliers else v
         q = q if args.bf16_queries else q.float()
         out = {}
         for backend, run in runs.items():
