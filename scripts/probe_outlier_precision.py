@@ -23,6 +23,9 @@ from oscarkv.kernels import reference  # noqa: E402
 from oscarkv.kernels.ops import attend_step, write_step  # noqa: E402
 
 
+QK_SCALE = 128 ** -0.5 * 1.4426950408889634  # the kernels' query factor: softmax scale, base 2
+
+
 def attention_over_stored(layer, batch, q, k_rot, v, scale, dtype, sdpa: bool) -> torch.Tensor:
     """[T, Hq, D] float64: attention of the step's queries over the stored keys and values and the step's own,
     the operands in `dtype` (torch SDPA on them if `sdpa`, else a plain softmax in that dtype)."""
@@ -37,7 +40,8 @@ def attention_over_stored(layer, batch, q, k_rot, v, scale, dtype, sdpa: bool) -
         values = torch.cat([values, v[fresh].to(layer.ring_v.dtype).transpose(0, 1).float()],
                            dim=1).repeat_interleave(hq // hkv, 0)
         queries = q[fresh].float().transpose(0, 1)
-        visible = torch.arange(old + n)[None, :] <= (old + torch.arange(n))[:, None]
+        positions = torch.arange(old + n, device=keys.device)
+        visible = positions[None, :] <= positions[old:, None]
         if sdpa:
             o = torch.nn.functional.scaled_dot_product_attention(
                 queries.to(dtype)[None], keys.to(dtype)[None], values.to(dtype)[None], attn_mask=visible,
@@ -45,7 +49,7 @@ def attention_over_stored(layer, batch, q, k_rot, v, scale, dtype, sdpa: bool) -
         else:
             s = (queries.to(dtype) @ keys.to(dtype).transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
             o = torch.softmax(s, -1) @ values.to(dtype)
-        outs.append(o.transpose(0, 1).double())
+        outs.append(o.transpose(0, 1).double().cpu())
     return torch.cat(outs)
 
 
@@ -72,12 +76,15 @@ def main() -> None:
                                backend=backend)
             out[backend] = attend_step(run.layer, batch, q, k_rot, v, scale, 0, backend=backend).double().cpu()
         layer = runs["torch"].layer
-        exact = attention_over_stored(layer, batch, q.cpu(), k_rot.cpu(), v.cpu(), scale, torch.float64, False)
+        exact = attention_over_stored(layer, batch, q, k_rot, v, scale, torch.float64, False)
         gaps = {"kernel": out["triton"], "torch reference": out["torch"],
-                "BF16 SDPA": attention_over_stored(layer, batch, q.cpu(), k_rot.cpu(), v.cpu(), scale,
-                                                   torch.bfloat16, True),
-                "FP16 SDPA": attention_over_stored(layer, batch, q.cpu(), k_rot.cpu(), v.cpu(), scale,
-                                                   torch.float16, True)}
+                "BF16 SDPA": attention_over_stored(layer, batch, q, k_rot, v, scale, torch.bfloat16, True),
+                "FP16 SDPA": attention_over_stored(layer, batch, q, k_rot, v, scale, torch.float16, True),
+                # exact attention, with the queries rounded as the kernels round them: times the softmax scale
+                # (base 2), then to float16
+                "exact, kernel's query rounding": attention_over_stored(
+                    layer, batch, ((q.double() * QK_SCALE).half().double() / QK_SCALE).to(q.dtype), k_rot, v, scale,
+                    torch.float64, False)}
         print(f"step {new_tokens}: largest |output| {exact.abs().max():.3g}; max abs difference from exact: "
               + ", ".join(f"{name} {(o - exact).abs().max():.3g}" for name, o in gaps.items()), flush=True)
 
