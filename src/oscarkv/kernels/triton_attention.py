@@ -288,13 +288,14 @@ def _add_to_group(d0, d1, d2, d3, x, s: tl.constexpr, D: tl.constexpr, NG: tl.co
 
 
 @triton.jit
-def _query_slice(q_ptr, q_row, row_valid, qk_scale, s: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Query channels of slice s, scaled and divided by the slice's multiplier, as float16, and the
-    row sums of the float16 query times the multiplier (exact: powers of two)."""
+def _query_slice(q_ptr, q_row, row_valid, s: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Query channels of slice s divided by the slice's multiplier, as float16, and the row sums of the
+    float16 query times the multiplier (exact: powers of two). Not scaled: the softmax scale joins the
+    scores' unit (`_softmax_weights`), so that a bfloat16 query stays exact in float16."""
     offset, parity, mult = _slice_layout(s, D, BITS)
     cols = 2 * tl.arange(0, D // 8) + parity + offset
     q = tl.load(q_ptr + q_row[:, None] * D + cols[None, :], mask=row_valid[:, None], other=0.0)
-    q = (q.to(tl.float32) * (qk_scale / mult)).to(tl.float16)
+    q = (q.to(tl.float32) * (1.0 / mult)).to(tl.float16)
     return q, tl.sum(q.to(tl.float32), 1) * mult
 
 
@@ -573,14 +574,14 @@ def _scores(q0, q1, q2, q3, k0, k1, k2, k3):
 
 
 @triton.jit
-def _softmax_step(s, visible, m, l, a0, a1, a2, a3, v0, v1, v2, v3):
+def _softmax_step(s, visible, m, l, a0, a1, a2, a3, v0, v1, v2, v3, unit):
     """One online-softmax step (base 2) over a key block; returns the new m, l, accumulators.
 
     Dots take float16 operands for every region: exact for BF16 windows within the float16
     range (|x| < 65504), 3 more mantissa bits than BF16 for the probabilities, and one code
     path that the CPU interpreter (whose BF16 dot is wrong) tests as it runs on the GPU.
     """
-    m_new, p, alpha, l = _softmax_weights(s, visible, m, l)
+    m_new, p, alpha, l = _softmax_weights(s, visible, m, l, unit)
     pv = p.to(tl.float16)
     a0 = a0 * alpha[:, None] + tl.dot(pv, v0.to(tl.float16))
     a1 = a1 * alpha[:, None] + tl.dot(pv, v1.to(tl.float16))
@@ -598,10 +599,11 @@ def _visible(key_pos, key_valid, query_pos, row_valid, window):
 
 
 @triton.jit
-def _window_block(k_ptr, v_ptr, row, key_valid, key_pos, q0, q1, q2, q3, query_pos, row_valid, window,
+def _window_block(k_ptr, v_ptr, row, key_valid, key_pos, q0, q1, q2, q3, qk_scale, query_pos, row_valid, window,
                   m, l, a0, a1, a2, a3, D: tl.constexpr, ROUND_V: tl.constexpr):
     """Online-softmax step over a block of full-precision keys/values (sink, ring or the step's
-    own tokens) at rows `row`; ROUND_V: round the values to that dtype first (or None)."""
+    own tokens) at rows `row`, for unscaled queries (qk_scale: the softmax scale, base 2); ROUND_V: round
+    the values to that dtype first (or None)."""
     k0, k1, k2, k3 = _load_quarters(k_ptr, row, key_valid, D)
     v0, v1, v2, v3 = _load_quarters(v_ptr, row, key_valid, D)
     if ROUND_V is not None:
@@ -611,7 +613,7 @@ def _window_block(k_ptr, v_ptr, row, key_valid, key_pos, q0, q1, q2, q3, query_p
         v3 = _round_to(v3.to(tl.float32), ROUND_V)
     s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
     visible = _visible(key_pos, key_valid, query_pos, row_valid, window)
-    return _softmax_step(s, visible, m, l, a0, a1, a2, a3, v0, v1, v2, v3)
+    return _softmax_step(s, visible, m, l, a0, a1, a2, a3, v0, v1, v2, v3, qk_scale)
 
 
 # key_centering="rope": the history keys of a page were stored minus the key shift of the block of
@@ -766,10 +768,12 @@ def _paged_attention_kernel(
     query_pos = old + t
     q_row = (start + t).to(tl.int64) * HQ + head
     q0, q1, q2, q3 = _load_quarters(q_ptr, q_row, row_valid, D)
-    q0 = (q0.to(tl.float32) * qk_scale).to(tl.float16)
-    q1 = (q1.to(tl.float32) * qk_scale).to(tl.float16)
-    q2 = (q2.to(tl.float32) * qk_scale).to(tl.float16)
-    q3 = (q3.to(tl.float32) * qk_scale).to(tl.float16)
+    # float16 queries, unscaled (a bfloat16 query is exact in float16; times the scale it would not be): every
+    # region's softmax multiplies its scores by the scale where it subtracts the running max (`_softmax_weights`).
+    q0 = q0.to(tl.float16)
+    q1 = q1.to(tl.float16)
+    q2 = q2.to(tl.float16)
+    q3 = q3.to(tl.float16)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -787,14 +791,14 @@ def _paged_attention_kernel(
     history_pages = tl.cdiv(tl.maximum(hist_limit - S, 0), P)
     PAGE_SPLITS: tl.constexpr = NUM_SPLITS - WS if NUM_SPLITS > 1 else 1
     if has_history and SLICED:
-        qs0, qsum0 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 0, D, K_BITS)
-        qs1, qsum1 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 1, D, K_BITS)
-        qs2, qsum2 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 2, D, K_BITS)
-        qs3, qsum3 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 3, D, K_BITS)
-        qs4, qsum4 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 4, D, K_BITS)
-        qs5, qsum5 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 5, D, K_BITS)
-        qs6, qsum6 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 6, D, K_BITS)
-        qs7, qsum7 = _query_slice(q_ptr, q_row, row_valid, qk_scale, 7, D, K_BITS)
+        qs0, qsum0 = _query_slice(q_ptr, q_row, row_valid, 0, D, K_BITS)
+        qs1, qsum1 = _query_slice(q_ptr, q_row, row_valid, 1, D, K_BITS)
+        qs2, qsum2 = _query_slice(q_ptr, q_row, row_valid, 2, D, K_BITS)
+        qs3, qsum3 = _query_slice(q_ptr, q_row, row_valid, 3, D, K_BITS)
+        qs4, qsum4 = _query_slice(q_ptr, q_row, row_valid, 4, D, K_BITS)
+        qs5, qsum5 = _query_slice(q_ptr, q_row, row_valid, 5, D, K_BITS)
+        qs6, qsum6 = _query_slice(q_ptr, q_row, row_valid, 6, D, K_BITS)
+        qs7, qsum7 = _query_slice(q_ptr, q_row, row_valid, 7, D, K_BITS)
         g0 = tl.zeros([BLOCK_M], tl.float32)  # query sums per group, for the zero points
         g1 = tl.zeros([BLOCK_M], tl.float32)
         g2 = tl.zeros([BLOCK_M], tl.float32)
@@ -808,6 +812,7 @@ def _paged_attention_kernel(
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, K_BITS)
         k_units = _unit(k_unit, K_LLOYD)  # the scores stay in units of the dots (see `_scaled_scores`)
+        score_units = k_units * qk_scale  # and the queries unscaled
         g0 = g0 / k_units
         g1 = g1 / k_units
         g2 = g2 / k_units
@@ -849,11 +854,11 @@ def _paged_attention_kernel(
                 for a in tl.static_range(ROW_GROUPS):
                     s_a, row0 = _history_page_scores(
                         base + a, hi, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2,
-                        qk3, qk4, qk5, qk6, qk7, g0, g1, g2, g3, k_units, kc_ptr, ks_ptr, kz_ptr,
+                        qk3, qk4, qk5, qk6, qk7, g0, g1, g2, g3, score_units, kc_ptr, ks_ptr, kz_ptr,
                         shift_ptr, num_blocks, q_row, row_valid, hist_limit, query_pos, window, HKV, P, D, NG,
                         K_BITS, ASM, K_LLOYD, S, KEY_SHIFTS, SHIFT_BLOCK, PART_PAGE, True)
                     s = tl.where((group == a)[:, None], s_a, s)
-                m_new, p, alpha, l = _softmax_weights(s, None, m, l, k_units)
+                m_new, p, alpha, l = _softmax_weights(s, None, m, l, score_units)
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
                     alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
                     acc7, z0, z1, z2, z3, NG)
@@ -868,12 +873,12 @@ def _paged_attention_kernel(
             for index in range(lo, hi):
                 s, row0 = _history_page_scores(
                     index, hi, bt_row, num_pages, h, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3,
-                    qk4, qk5, qk6, qk7, g0, g1, g2, g3, k_units, kc_ptr, ks_ptr, kz_ptr, shift_ptr,
+                    qk4, qk5, qk6, qk7, g0, g1, g2, g3, score_units, kc_ptr, ks_ptr, kz_ptr, shift_ptr,
                     num_blocks, q_row, row_valid, hist_limit, query_pos, window, HKV, P, D, NG, K_BITS, ASM,
                     K_LLOYD, S, KEY_SHIFTS, SHIFT_BLOCK, PART_PAGE, False)
                 m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _sliced_history_step(
                     s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3,
-                    vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, k_units, P, D, NG, V_BITS, ASM, V_LLOYD)
+                    vc_ptr, vs_ptr, vz_ptr, row0, v_kappa * 0.5, score_units, P, D, NG, V_BITS, ASM, V_LLOYD)
         a0, a1, a2, a3 = _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, tl.max(z0, 1),
                                           tl.max(z1, 1), tl.max(z2, 1), tl.max(z3, 1), _unit(v_unit, V_LLOYD),
                                           D, NG, V_BITS)
@@ -883,6 +888,7 @@ def _paged_attention_kernel(
     elif has_history:
         # Sums of the rounded query quarters over unit, for the zero points (see `_scaled_scores`).
         k_units = _unit(k_unit, K_LLOYD)
+        score_units = k_units * qk_scale  # the queries are unscaled
         qs0 = tl.sum(q0.to(tl.float32), 1) / k_units
         qs1 = tl.sum(q1.to(tl.float32), 1) / k_units
         qs2 = tl.sum(q2.to(tl.float32), 1) / k_units
@@ -911,14 +917,14 @@ def _paged_attention_kernel(
                                 KEYS, D, NG, K_BITS, K_LLOYD)
             if KEY_SHIFTS:
                 s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index // PARTS, S, P,
-                                  SHIFT_BLOCK)[:, None] / k_units
+                                  SHIFT_BLOCK)[:, None] / score_units
             hist_pos = S + index * KEYS + tl.arange(0, KEYS)
             visible = page_ok & row_valid[:, None] & (hist_pos < hist_limit)[None, :]
             if window > 0:
                 visible = visible & (query_pos[:, None] - hist_pos[None, :] < window)
             m, l, a0, a1, a2, a3, z0, z1, z2, z3 = _history_step(
-                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, v_kappa, k_units, KEYS,
-                D, NG, V_BITS, V_LLOYD)
+                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, v_kappa, score_units,
+                KEYS, D, NG, V_BITS, V_LLOYD)
         # Back to plain units for the full-precision regions below and the output.
         v_units = _unit(v_unit, V_LLOYD)
         a0 = a0 * v_units - z0[:, None]
@@ -934,25 +940,25 @@ def _paged_attention_kernel(
                     sink_pos = tl.arange(0, SINK_BLOCK)
                     m, l, a0, a1, a2, a3 = _window_block(
                         sink_k_ptr, sink_v_ptr, head_row * S + sink_pos, sink_pos < tl.minimum(old, S), sink_pos,
-                        q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
+                        q0, q1, q2, q3, qk_scale, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
             else:  # key blocks smaller than the sink (one-warp window programs): its blocks go round the splits
                 for first in range(split * BLOCK_N, tl.minimum(old, S), WS * BLOCK_N):
                     sink_pos = first + tl.arange(0, BLOCK_N)
                     m, l, a0, a1, a2, a3 = _window_block(
                         sink_k_ptr, sink_v_ptr, head_row * S + sink_pos, sink_pos < tl.minimum(old, S), sink_pos,
-                        q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
+                        q0, q1, q2, q3, qk_scale, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
         for first in range(end_new + split * BLOCK_N, old, WS * BLOCK_N):
             key_pos = first + tl.arange(0, BLOCK_N)
             m, l, a0, a1, a2, a3 = _window_block(
                 ring_k_ptr, ring_v_ptr, head_row * C + (key_pos - S) % C, key_pos < old, key_pos,
-                q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
+                q0, q1, q2, q3, qk_scale, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D, None)
         last_new = tl.minimum(count, (m_block * BLOCK_M + BLOCK_M - 1) // G + 1)
         last_new = tl.where(split == WS - 1, last_new, 0)
         for first in range(0, last_new, BLOCK_N):
             key_t = first + tl.arange(0, BLOCK_N)
             m, l, a0, a1, a2, a3 = _window_block(
                 k_new_ptr, v_new_ptr, (start + key_t).to(tl.int64) * HKV + h, key_t < count, old + key_t,
-                q0, q1, q2, q3, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D,
+                q0, q1, q2, q3, qk_scale, query_pos, row_valid, window, m, l, a0, a1, a2, a3, D,
                 ring_v_ptr.dtype.element_ty)  # the step's values as the cache stores them
 
     cols = tl.arange(0, W)
