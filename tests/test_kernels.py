@@ -333,6 +333,23 @@ def test_clip_threshold_far_below_outliers():
             assert torch.equal(kernel, reference), (name, int((kernel != reference).sum()), kernel.numel())
 
 
+def test_queries_keep_their_precision_on_outlier_keys():
+    """Decode steps over keys and values with outliers (neither rotated nor centered, so that the quantized keys are
+    large): the kernel must round the queries no more than float16 rounds them. Folding the softmax scale into a
+    bfloat16 query before rounding it to float16 (the kernels did until 876a30a) put the outputs 7e-4 to 1.6e-3 of
+    their largest value from the reference; unscaled float16 queries are exact for bfloat16 and give about 2e-5."""
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
+    runs = [PagedRun(layout, 2, 1024, 4, backend, device=DEVICE, center=False, rotate=False)
+            for backend in ("triton", "torch")]
+    g = torch.Generator().manual_seed(7)
+    for new_tokens in ([140, 40], [1, 1], [1, 1]):
+        q, k, v = random_step(layout, 4, new_tokens, g, dtype=torch.bfloat16, device=DEVICE)
+        k, v = _with_outliers(k), _with_outliers(v)
+        kernel, expected = (run.step(new_tokens, q.float(), k, v)[0] for run in runs)
+        if max(new_tokens) == 1:  # decode: the fused kernel on every device
+            assert (kernel - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
 @pytest.mark.parametrize("head_dim,group,shift_block,num_splits", [(64, 64, 32, None), (128, 64, 40, None),
                                                                    (128, 128, 48, 5)])
 def test_key_shifts_of_rope_centering(head_dim, group, shift_block, num_splits):
