@@ -312,19 +312,25 @@ def _with_outliers(x):
     return torch.where(torch.rand(x.shape, generator=g).to(x.device) < 0.02, x * 40, x)
 
 
-def test_clip_threshold_far_below_outliers():
-    """The clip bisection first searches the 4 binades below a row's largest value, and searches the rest for
-    rows where a few outliers put the order statistic lower; both must find it exactly (bfloat16 windows, the
-    packed bisection), in the prompt's 64-token blocks and in the flush: the stored codes, scales and zeros equal
-    the reference's. Not rotated, so that the outliers reach the clip. (Only what is stored is compared: attention
-    over raw keys with such outliers is ill-conditioned.)"""
+def _outlier_steps():
+    """Kernel and torch runs of one layer that neither rotates nor centers (so that outliers reach the clip and the
+    quantized keys), and a prompt step and two decode steps of bfloat16 q, k, v, k and v with outliers."""
     layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
     runs = [PagedRun(layout, 2, 1024, 4, backend, device=DEVICE, center=False, rotate=False)
             for backend in ("triton", "torch")]
     g = torch.Generator().manual_seed(7)
     for new_tokens in ([140, 40], [1, 1], [1, 1]):
         q, k, v = random_step(layout, 4, new_tokens, g, dtype=torch.bfloat16, device=DEVICE)
-        k, v = _with_outliers(k), _with_outliers(v)
+        yield runs, new_tokens, q, _with_outliers(k), _with_outliers(v)
+
+
+def test_clip_threshold_far_below_outliers():
+    """The clip bisection first searches the 4 binades below a row's largest value, and searches the rest for
+    rows where a few outliers put the order statistic lower; both must find it exactly (bfloat16 windows, the
+    packed bisection), in the prompt's 64-token blocks and in the flush: the stored codes, scales and zeros equal
+    the reference's. Not rotated, so that the outliers reach the clip. (Only what is stored is compared: attention
+    over raw keys with such outliers is ill-conditioned.)"""
+    for runs, new_tokens, q, k, v in _outlier_steps():
         for run in runs:
             run.step(new_tokens, q, k, v)
         layers = [run.layer for run in runs]
@@ -338,13 +344,7 @@ def test_queries_keep_their_precision_on_outlier_keys():
     large): the kernel must round the queries no more than float16 rounds them. Folding the softmax scale into a
     bfloat16 query before rounding it to float16 (the kernels did until 876a30a) put the outputs 7e-4 to 1.6e-3 of
     their largest value from the reference; unscaled float16 queries are exact for bfloat16 and give about 2e-5."""
-    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
-    runs = [PagedRun(layout, 2, 1024, 4, backend, device=DEVICE, center=False, rotate=False)
-            for backend in ("triton", "torch")]
-    g = torch.Generator().manual_seed(7)
-    for new_tokens in ([140, 40], [1, 1], [1, 1]):
-        q, k, v = random_step(layout, 4, new_tokens, g, dtype=torch.bfloat16, device=DEVICE)
-        k, v = _with_outliers(k), _with_outliers(v)
+    for runs, new_tokens, q, k, v in _outlier_steps():
         kernel, expected = (run.step(new_tokens, q.float(), k, v)[0] for run in runs)
         if max(new_tokens) == 1:  # decode: the fused kernel on every device
             assert (kernel - expected).abs().max() <= 1e-4 * expected.abs().max()
