@@ -98,30 +98,25 @@ def _page_params(scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P
     return tl.load(scale_ptr + at).to(tl.float32), tl.load(zero_ptr + at).to(tl.float32)
 
 
-# History scores stay in the units of the dots until the softmax: d = q·c counts in units of 2^-24 (the codes'
-# float16 bits, `_as_float16_units`), and a score Σ_d q·(c - z)·s = s·(2^24·d - z·Σq) is kept as
-# s·(d - z·Σq/unit) = score/unit, unit being 2^24 (UNIT_INV) or 3a·2^24 for Lloyd–Max levels, where
-# d = q·(c + kappa·b1) (`_lloyd_dot`). Two fused multiply-adds per element and group then give it (Σq/unit is
-# one number per query row), and the softmax multiplies by unit in the fused multiply-add that feeds exp2
-# (`_softmax_weights`). A bias (-inf for a masked key, or a key-shift term divided by unit) joins the last one.
-
-
-@triton.jit
-def _scaled_scores(d, scale, zero, q_sum, acc=None):
-    """acc + the scores of one group in units of the dots, s·(d - z·Σq/unit) (see above; scale and zero:
-    float32, [1, P] or [BLOCK_M, P]; q_sum: [BLOCK_M], Σq/unit of the group's channels)."""
-    s = scale * (d - q_sum[:, None] * zero)
-    if acc is not None:
-        s = acc + s
-    return s
+# History scores stay in the units of the dots until the softmax: d = q·c of the unscaled float16 queries counts
+# in units of 2^-24 (the codes' float16 bits, `_as_float16_units`), and q·(c - z)·s = s·(2^24·d - z·Σq) is kept
+# as s·(d - z·Σq/unit), unit being 2^24 (UNIT_INV) or 3a·2^24 for Lloyd–Max levels, where d = q·(c + kappa·b1)
+# (`_lloyd_dot`). Two fused multiply-adds per element and group give it (Σq/unit is one number per query row),
+# and the softmax multiplies by unit times the softmax scale (the kernel's `score_units`) in the fused
+# multiply-add that feeds exp2 (`_softmax_weights`). A bias (-inf for a masked key, or a key-shift term divided
+# by the score units) joins the last one.
 
 
 @triton.jit
 def _group_scores(d, scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, q_sum,
                   acc=None):
-    """acc + the scores of group g of one page in units of the dots (`_scaled_scores`)."""
+    """acc + the scores of group g of one page in units of the dots, s·(d - z·Σq/unit) (see above; q_sum:
+    [BLOCK_M], Σq/unit of the group's channels)."""
     scale, zero = _page_params(scale_ptr, zero_ptr, row0, g, NG, P)
-    return _scaled_scores(d, scale[None, :], zero[None, :], q_sum, acc)
+    s = scale[None, :] * (d - q_sum[:, None] * zero[None, :])
+    if acc is not None:
+        s = acc + s
+    return s
 
 
 # Lloyd–Max levels (INT2, `quant.format`): level(c) = 3a·(c + kappa·b1), b1 the code's high bit. The
@@ -441,7 +436,7 @@ def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
                          vc_ptr, vs_ptr, vz_ptr, row0, half_kappa, unit, P: tl.constexpr, D: tl.constexpr,
                          NG: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, LLOYD: tl.constexpr):
     """Online-softmax step over one page of quantized values (sliced path; `_page_values`).
-    s: masked scores in units of the dots (the keys' `unit`)."""
+    s: masked scores in units of the dots; unit: the score units (the keys' unit times the softmax scale)."""
     m_new, p, alpha, l = _softmax_weights(s, None, m, l, unit)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
         alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
@@ -501,7 +496,8 @@ def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2,
 def _softmax_weights(s, visible, m, l, unit=None):
     """Base-2 online softmax over one key block: the new running max, the block's probabilities
     p = 2^(s - max), the factor alpha that rescales the earlier sums, and the new sum l. unit: the scores
-    are s·unit (history scores in units of the dots), and the max and sum stay in plain units."""
+    are s·unit (the softmax scale of unscaled queries, times the dots' unit for history scores), and the max
+    and sum stay in plain units."""
     if visible is not None:  # None: s is masked already
         s = tl.where(visible, s, float("-inf"))
     block_max = tl.max(s, 1)
@@ -540,9 +536,9 @@ def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.c
 @triton.jit
 def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, kappa, unit,
                   P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr):
-    """Online-softmax step over one page of quantized values (s: scores in units of the dots, the keys'
-    `unit`). The accumulators a_i hold Σ p·s·c in units of 2^-24 (LLOYD: Σ p·s·(c + kappa·b1)) and z_g
-    holds Σ p·s·z, so that the output is a·unit - z (the values' unit)."""
+    """Online-softmax step over one page of quantized values (s: scores in units of the dots; unit: the score
+    units, the keys' unit times the softmax scale). The accumulators a_i hold Σ p·s·c in units of 2^-24
+    (LLOYD: Σ p·s·(c + kappa·b1)) and z_g holds Σ p·s·z, so that the output is a·unit - z (the values' unit)."""
     m_new, p, alpha, l = _softmax_weights(s, visible, m, l, unit)
     v0, v1, v2, v3, b0, b1, b2, b3 = _page_codes(vc_ptr, row0, P, D, BITS, LLOYD)
     w0, z0 = _weighted_codes(p, alpha, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
@@ -811,7 +807,7 @@ def _paged_attention_kernel(
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, K_BITS)
-        k_units = _unit(k_unit, K_LLOYD)  # the scores stay in units of the dots (see `_scaled_scores`)
+        k_units = _unit(k_unit, K_LLOYD)  # the scores stay in units of the dots (see `_group_scores`)
         score_units = k_units * qk_scale  # and the queries unscaled
         g0 = g0 / k_units
         g1 = g1 / k_units
@@ -886,7 +882,7 @@ def _paged_attention_kernel(
             m, l, a0, a1, a2, a3 = _merge_row_groups(m, l, a0, a1, a2, a3, G, BLOCK_M)
             row_valid = r < count * G  # row i < G holds query head h·G + i; the copies are not stored
     elif has_history:
-        # Sums of the rounded query quarters over unit, for the zero points (see `_scaled_scores`).
+        # Sums of the rounded query quarters over unit, for the zero points (see `_group_scores`).
         k_units = _unit(k_unit, K_LLOYD)
         score_units = k_units * qk_scale  # the queries are unscaled
         qs0 = tl.sum(q0.to(tl.float32), 1) / k_units
