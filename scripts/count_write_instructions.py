@@ -42,7 +42,7 @@ def main() -> None:
                          CLIP_K=triton_write.clip_rank(0.96, 128) if clip else -1,
                          CLIP_V=triton_write.clip_rank(0.92, 128) if clip else -1, SHIFT=16, KEY_SHIFTS=False,
                          SHIFT_BLOCK=1024, FLUSH_BLOCKS=0, ROTATE=rotate, CENTER=True, BLOCK_T=args.block,
-                         BF16_DOTS=True, K_LLOYD=False, V_LLOYD=False)
+                         COMPILED=True, K_LLOYD=False, V_LLOYD=False)
         # rot_head_stride is 0 (one R_K per layer) or D·D in a launch: a multiple of 16 either way
         kernel = compile_kernel(triton_write._write_kernel, WRITE_TYPES, constants, 90, aligned=True,
                                 divisible=("rot_head_stride",), num_warps=args.warps, num_stages=3,

@@ -236,7 +236,7 @@ def main() -> None:
     # The kernel's float32-rotation path (ROTATE=1), for the checks.
     common = dict(HKV=KV_HEADS, D=HEAD_DIM, NG=1, K_BITS=2, V_BITS=2, P=layout.page_size, S=layout.sink_tokens,
                   R=layout.recent_tokens, CLIP_K=clip_k, CLIP_V=clip_v, SHIFT=16, ROTATE=1, CENTER=True,
-                  BLOCK_T=64, KEY_SHIFTS=False, SHIFT_BLOCK=1, BF16_DOTS=device.type == "cuda",
+                  BLOCK_T=64, KEY_SHIFTS=False, SHIFT_BLOCK=1, COMPILED=device.type == "cuda",
                   enable_fp_fusion=False)
     grid = (1, triton.cdiv(TOKENS, 64), KV_HEADS)
 

@@ -117,7 +117,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         if d >= 128:  # decode history with two pages per softmax step (`ops.choose_row_groups`)
             jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
-                     SHIFT_BLOCK=1024)
+                     SHIFT_BLOCK=1024, COMPILED=True)
         decode_write = dict(write, FLUSH_BLOCKS=-(-page // 16))  # flush and write in one launch
         prompt_write = dict(write, FLUSH_BLOCKS=0)
         # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)
@@ -126,12 +126,12 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         for rotate in rotations:
             for block, step in ((16, decode_write), (64, prompt_write)):
                 jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                             dict(step, ROTATE=rotate, CENTER=True, BLOCK_T=block, BF16_DOTS=True), unfused))
+                             dict(step, ROTATE=rotate, CENTER=True, BLOCK_T=block), unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(prompt_write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True, BF16_DOTS=True),
+                     dict(prompt_write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True),
                      unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(decode_write, ROTATE=0, CENTER=False, BLOCK_T=16, BF16_DOTS=True), unfused))
+                     dict(decode_write, ROTATE=0, CENTER=False, BLOCK_T=16), unfused))
         for shifted in (False, True):
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, KEY_SHIFTS=shifted),
                          unfused))
@@ -139,7 +139,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             lloyd = dict(K_LLOYD=True, V_LLOYD=True)
             jobs += [attention(1, 0, 1, **lloyd), attention(17, 1, 4, **lloyd)]
             jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                         dict(prompt_write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, BF16_DOTS=True, **lloyd),
+                         dict(prompt_write, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, **lloyd),
                          unfused))
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), unfused))
         # extend steps' dense keys and values (`kernels.extend`): keys with shifts, values at Lloyd-Max levels if INT2

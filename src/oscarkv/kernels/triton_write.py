@@ -204,12 +204,18 @@ def _scale_zero(lo, hi, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, scale, zero, LEVELS: tl.constexpr):
+def _codes(x, scale, zero, LEVELS: tl.constexpr, COMPILED: tl.constexpr):
     """floor(x·(1/s) + z + 0.5), clamped: each operation rounded to float32 (`quant.format.quantize`);
-    the launches turn off fused multiply-adds, which would round x·(1/s) + z once."""
+    the launches turn off fused multiply-adds, which would round x·(1/s) + z once. Clamped before the floor
+    (the bounds are integers), so that floor and conversion are one instruction; COMPILED: that conversion
+    also clamps at 0 (a float-to-unsigned conversion saturates)."""
     inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    c = tl.floor(x * inverse[:, None] + zero[:, None] + 0.5)
-    return tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0).to(tl.int32)
+    u = tl.minimum(x * inverse[:, None] + zero[:, None] + 0.5, LEVELS * 1.0)
+    if COMPILED:
+        return tl.inline_asm_elementwise("cvt.rmi.u32.f32 $0, $1;", "=r,r", [u], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.floor(tl.maximum(u, 0.0)).to(tl.int32)
 
 
 @triton.jit
@@ -224,7 +230,7 @@ def _lloyd_codes(x, scale, zero, low, high):
 @triton.jit
 def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, zero_ptr, low, high,
                     HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-                    LLOYD: tl.constexpr):
+                    LLOYD: tl.constexpr, COMPILED: tl.constexpr):
     """Quantize (clipped) rows given as quarters x0..x3 [BLOCK_T, D/4] (float32) into (page, row) of head h.
     LLOYD: INT2 codes at Lloyd–Max levels with thresholds low, 1.5, high (else uniform rounding)."""
     W: tl.constexpr = D // 4
@@ -242,18 +248,18 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
         c2 = _lloyd_codes(x2, s2, z2, low, high)
         c3 = _lloyd_codes(x3, s3, z3, low, high)
     else:
-        c0 = _codes(x0, s0, z0, LEVELS)
-        c1 = _codes(x1, s1, z1, LEVELS)
-        c2 = _codes(x2, s2, z2, LEVELS)
-        c3 = _codes(x3, s3, z3, LEVELS)
+        c0 = _codes(x0, s0, z0, LEVELS, COMPILED)
+        c1 = _codes(x1, s1, z1, LEVELS, COMPILED)
+        c2 = _codes(x2, s2, z2, LEVELS, COMPILED)
+        c3 = _codes(x3, s3, z3, LEVELS, COMPILED)
     base = (page.to(tl.int64) * HKV + h) * P + row  # [BLOCK_T] row index into the page arrays
     code_row = codes_ptr + base[:, None] * (D * BITS // 8) + cols[None, :]
     if BITS == 2:
-        packed = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
+        packed = c0 + (c1 << 2) + (c2 << 4) + (c3 << 6)  # adds, not ors: a shift and an add are one LEA
         tl.store(code_row, packed.to(tl.uint8), mask=valid[:, None])
     else:
-        tl.store(code_row, (c0 | (c2 << 4)).to(tl.uint8), mask=valid[:, None])
-        tl.store(code_row + W, (c1 | (c3 << 4)).to(tl.uint8), mask=valid[:, None])
+        tl.store(code_row, (c0 + (c2 << 4)).to(tl.uint8), mask=valid[:, None])
+        tl.store(code_row + W, (c1 + (c3 << 4)).to(tl.uint8), mask=valid[:, None])
     group = base * NG
     tl.store(scale_ptr + group, s0.to(tl.float16), mask=valid)
     tl.store(zero_ptr + group, z0.to(tl.float16), mask=valid)
@@ -274,15 +280,15 @@ def _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h,
                        kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high,
                        HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
                        V_BITS: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
-                       K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr):
+                       K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr, COMPILED: tl.constexpr):
     """Clip keys and values at their order statistics, quantize and store both into (page, row) of head h."""
     k_threshold, v_threshold = _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, CLIP_K, CLIP_V, SHIFT)
     k0, k1, k2, k3 = _clip(k0, k1, k2, k3, k_threshold, CLIP_K)
     _quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high, HKV, P, D, NG,
-                    K_BITS, K_LLOYD)
+                    K_BITS, K_LLOYD, COMPILED)
     v0, v1, v2, v3 = _clip(v0, v1, v2, v3, v_threshold, CLIP_V)
     _quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high, HKV, P, D, NG,
-                    V_BITS, V_LLOYD)
+                    V_BITS, V_LLOYD, COMPILED)
 
 
 @triton.jit
@@ -374,7 +380,8 @@ def _flush_block(b, block, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num
                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                  P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                  CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
-                 KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr):
+                 KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr,
+                 COMPILED: tl.constexpr):
     """Block `block` of the ring tokens of (sequence b, KV head h) that age into the history this step:
     quantized into their pages (nothing for a block past them)."""
     C: tl.constexpr = R + P
@@ -393,7 +400,7 @@ def _flush_block(b, block, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num
                                               ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
         _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr,
                            vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
-                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD)
+                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD, COMPILED)
 
 
 @triton.jit
@@ -404,23 +411,25 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr = False,
-                  V_LLOYD: tl.constexpr = False):
+                  V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True):
+    """The flush alone (`_flush_block`). COMPILED: compiled for a GPU (False in the CPU interpreter: no inline
+    PTX)."""
     _flush_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), slots_ptr, cu_ptr, len_ptr, bt_ptr,
                  bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
                  kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R,
-                 CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD)
+                 CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
 
 
 @triton.jit
 def _rotate_by_pieces(x, pieces_ptr, mean_rot_ptr, h, BLOCK_T: tl.constexpr, D: tl.constexpr,
-                      CENTER: tl.constexpr, BF16_DOTS: tl.constexpr):
+                      CENTER: tl.constexpr, COMPILED: tl.constexpr):
     """k·R_K - μ_K·R_K for bfloat16 keys x [BLOCK_T, D], as quarters [BLOCK_T, D/4] in float32.
 
     R_K comes as three bfloat16 pieces whose sum is R_K to float32 accuracy, with the columns
     interleaved (column 4j + i of a piece is column j of quarter i; `ops.rotation_pieces`). Products of
     two bfloat16 are exact in float32, so three tensor-core dots with float32 accumulation compute
     the float32 rotation. One full-width dot per piece, then the interleaved columns split into
-    the quarters. BF16_DOTS is False in the CPU interpreter, whose bfloat16 dot is wrong: it
+    the quarters. COMPILED is False in the CPU interpreter, whose bfloat16 dot is wrong: it
     multiplies the same values in float32.
     """
     W: tl.constexpr = D // 4
@@ -428,11 +437,11 @@ def _rotate_by_pieces(x, pieces_ptr, mean_rot_ptr, h, BLOCK_T: tl.constexpr, D: 
     acc = tl.zeros([BLOCK_T, D], tl.float32)
     if CENTER:
         acc -= tl.load(mean_rot_ptr + h * D + cols)[None, :]
-    if not BF16_DOTS:
+    if not COMPILED:
         x = x.to(tl.float32)
     for i in tl.static_range(3):  # the smallest piece first
         piece = tl.load(pieces_ptr + (2 - i) * D * D + cols[:, None] * D + cols[None, :])
-        if BF16_DOTS:
+        if COMPILED:
             acc = tl.dot(x, piece, acc)
         else:
             acc = tl.dot(x, piece.to(tl.float32), acc, input_precision="ieee")
@@ -452,11 +461,13 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                   P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
                   ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
-                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, BF16_DOTS: tl.constexpr = True,
+                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, COMPILED: tl.constexpr = True,
                   K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False, FLUSH_BLOCKS: tl.constexpr = 0):
     """ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
     the pieces of R_K at pieces_ptr (`_rotate_by_pieces`). rot_head_stride is 0 for one R_K per
     layer and the elements between two KV heads' matrices (rot_ptr or pieces_ptr) for one per head.
+
+    COMPILED: compiled for a GPU; False in the CPU interpreter (no bfloat16 dots, no inline PTX).
 
     FLUSH_BLOCKS > 0: block 0 of axis 1 is the write's and blocks 1..FLUSH_BLOCKS the flush's
     (`_flush_block`), in one launch. Only for steps of at most one new token per sequence, whose
@@ -469,7 +480,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
             _flush_block(b, block - 1, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
                          kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low,
                          k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT,
-                         BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD)
+                         BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
             return
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
@@ -487,7 +498,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
         cols = tl.arange(0, D)
         x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
         k0, k1, k2, k3 = _rotate_by_pieces(x, pieces_ptr + h * rot_head_stride, mean_rot_ptr, h, BLOCK_T, D,
-                                           CENTER, BF16_DOTS)
+                                           CENTER, COMPILED)
     elif ROTATE == 1:
         cols = tl.arange(0, D)
         x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -539,7 +550,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                                               window_dtype, HKV, D, S, P, SHIFT_BLOCK)
         _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr,
                            vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
-                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD)
+                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD, COMPILED)
 
 
 def lloyd_thresholds(inner: float | None) -> tuple[float, float]:
@@ -589,6 +600,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                   SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=block_tokens,
                   KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1),
                   K_LLOYD=lay.key_inner is not None, V_LLOYD=lay.value_inner is not None,
+                  COMPILED=not interpreting(),
                   enable_fp_fusion=False)  # the quantizer rounds x·(1/s) and + z apart, as the reference
     shifts = (layer.key_shifts, layer.key_shifts.shape[0]) if layer.key_shifts is not None else (k, 1)
     tail = (*shifts, *lloyd_thresholds(lay.key_inner), *lloyd_thresholds(lay.value_inner))  # the last arguments
@@ -626,5 +638,5 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                         batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
                         *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
                         ROTATE=rotate, CENTER=mean is not None,
-                        BF16_DOTS=not interpreting(), FLUSH_BLOCKS=flush_blocks if merged else 0,
+                        FLUSH_BLOCKS=flush_blocks if merged else 0,
                         **dict(common, BLOCK_T=write_block))
