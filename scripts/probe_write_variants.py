@@ -80,10 +80,10 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
         c2 = _codes_div(x2, s, z, LEVELS)
         c3 = _codes_div(x3, s, z, LEVELS)
     else:
-        c0 = tw._codes(x0, s, z, LEVELS)  # x·(1/s), as the kernel
-        c1 = tw._codes(x1, s, z, LEVELS)
-        c2 = tw._codes(x2, s, z, LEVELS)
-        c3 = tw._codes(x3, s, z, LEVELS)
+        c0 = tw._codes(x0, s, z, LEVELS, False)  # x·(1/s), as the kernel (its portable form: the same codes)
+        c1 = tw._codes(x1, s, z, LEVELS, False)
+        c2 = tw._codes(x2, s, z, LEVELS, False)
+        c3 = tw._codes(x3, s, z, LEVELS, False)
     base = (page.to(tl.int64) * HKV + h) * P + row
     packed = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
     tl.store(codes_ptr + base[:, None] * (D * BITS // 8) + cols[None, :], packed.to(tl.uint8), mask=valid[:, None])
