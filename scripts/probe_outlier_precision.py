@@ -23,7 +23,8 @@ from oscarkv.kernels import reference  # noqa: E402
 from oscarkv.kernels.ops import attend_step, write_step  # noqa: E402
 
 
-QK_SCALE = 128 ** -0.5 * 1.4426950408889634  # the kernels' query factor: softmax scale, base 2
+QK_SCALE = 128 ** -0.5 * 1.4426950408889634  # the softmax scale, base 2, that the kernels folded into the queries
+# before 876a30a
 
 
 def attention_over_stored(layer, batch, q, k_rot, v, scale, dtype, sdpa: bool) -> torch.Tensor:
@@ -80,9 +81,9 @@ def main() -> None:
         gaps = {"kernel": out["triton"], "torch reference": out["torch"],
                 "BF16 SDPA": attention_over_stored(layer, batch, q, k_rot, v, scale, torch.bfloat16, True),
                 "FP16 SDPA": attention_over_stored(layer, batch, q, k_rot, v, scale, torch.float16, True),
-                # exact attention, with the queries rounded as the kernels round them: times the softmax scale
-                # (base 2), then to float16
-                "exact, kernel's query rounding": attention_over_stored(
+                # exact attention, with the queries rounded as the kernels rounded them before 876a30a: times the
+                # softmax scale (base 2), then to float16
+                "exact, queries rounded as before 876a30a": attention_over_stored(
                     layer, batch, ((q.double() * QK_SCALE).half().double() / QK_SCALE).to(q.dtype), k_rot, v, scale,
                     torch.float64, False)}
         print(f"step {new_tokens}: largest |output| {exact.abs().max():.3g}; max abs difference from exact: "

@@ -493,20 +493,16 @@ def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2,
 
 
 @triton.jit
-def _softmax_weights(s, visible, m, l, unit=None):
+def _softmax_weights(s, visible, m, l, unit):
     """Base-2 online softmax over one key block: the new running max, the block's probabilities
-    p = 2^(s - max), the factor alpha that rescales the earlier sums, and the new sum l. unit: the scores
+    p = 2^(s·unit - max), the factor alpha that rescales the earlier sums, and the new sum l. unit: the scores
     are s·unit (the softmax scale of unscaled queries, times the dots' unit for history scores), and the max
     and sum stay in plain units."""
     if visible is not None:  # None: s is masked already
         s = tl.where(visible, s, float("-inf"))
-    block_max = tl.max(s, 1)
-    if unit is not None:  # unit > 0 keeps the max where it is; s·unit - max below is one fused multiply-add
-        block_max = block_max * unit
-        s = s * unit
-    m_new = tl.maximum(m, block_max)
+    m_new = tl.maximum(m, tl.max(s, 1) * unit)  # unit > 0 keeps the max where it is
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * unit - m_safe[:, None])  # one fused multiply-add
     alpha = tl.exp2(m - m_safe)
     return m_new, p, alpha, l * alpha + tl.sum(p, 1)
 
