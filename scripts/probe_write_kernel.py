@@ -39,7 +39,7 @@ def main() -> None:
 
     def time_us(block: int, warps: int, rotate: int, clip: bool) -> float:
         """rotate: 2 bfloat16 pieces (what bfloat16 keys take), 1 float32 (tf32x3) dots, 0 none."""
-        grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)
+        grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)  # keys, then values: two launches, as launch_write
         constants = dict(HKV=KV_HEADS, D=HEAD_DIM, NG=layout.groups, K_BITS=layout.key_bits,
                          V_BITS=layout.value_bits, P=layout.page_size,
                          S=layout.sink_tokens, R=layout.recent_tokens, CLIP_K=clip_k if clip else -1,
@@ -48,11 +48,12 @@ def main() -> None:
                          enable_fp_fusion=False)
 
         def launch():
-            triton_write._write_kernel[grid](
-                k, v, k_rot, rotation, 0, mean, pieces.pieces, pieces.mean_rotated, batch.slots, batch.cu_new,
-                batch.lengths, batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages,
-                layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, k, 1, 0.0, 0.0, 0.0, 0.0, num_warps=warps,
-                **constants)
+            for stream in (0, 1):
+                triton_write._write_kernel[grid](
+                    k, v, k_rot, rotation, 0, mean, pieces.pieces, pieces.mean_rotated, batch.slots, batch.cu_new,
+                    batch.lengths, batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages,
+                    layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, k, 1, 0.0, 0.0, 0.0, 0.0,
+                    num_warps=warps, STREAM=stream, **constants)
 
         return triton.testing.do_bench(launch, warmup=20, rep=200) * 1e3
 

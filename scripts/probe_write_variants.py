@@ -186,12 +186,13 @@ def _variant_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, pieces_ptr, mean_ptr, mean
         in_history = valid & (pos >= S) & (pos < end_new)
         page, row, in_history = tw._page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
         if CLIP == 1:
-            kt, vt = tw._bisect_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, CLIP_K, CLIP_V, 16)
+            kt = tw._bisect_threshold(k0, k1, k2, k3, CLIP_K, 16)
+            vt = tw._bisect_threshold(v0, v1, v2, v3, CLIP_V, 16)
         if CLIP == 2:
             kt, vt = _packed_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, CLIP_K, CLIP_V, BLOCK_T)
         if CLIP > 0:
-            k0, k1, k2, k3 = tw._clip(k0, k1, k2, k3, kt, CLIP_K)
-            v0, v1, v2, v3 = tw._clip(v0, v1, v2, v3, vt, CLIP_V)
+            k0, k1, k2, k3 = tw._clip(k0, k1, k2, k3, kt)
+            v0, v1, v2, v3 = tw._clip(v0, v1, v2, v3, vt)
         _quantize_store(k0, k1, k2, k3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr, HKV, P, D, 2, DIV)
         _quantize_store(v0, v1, v2, v3, in_history, page, row, h, vc_ptr, vs_ptr, vz_ptr, HKV, P, D, 2, DIV)
 
@@ -238,7 +239,7 @@ def main() -> None:
                   R=layout.recent_tokens, CLIP_K=clip_k, CLIP_V=clip_v, SHIFT=16, ROTATE=1, CENTER=True,
                   BLOCK_T=64, KEY_SHIFTS=False, SHIFT_BLOCK=1, COMPILED=device.type == "cuda",
                   enable_fp_fusion=False)
-    grid = (1, triton.cdiv(TOKENS, 64), KV_HEADS)
+    grid = (1, triton.cdiv(TOKENS, 64), 2 * KV_HEADS)  # keys and values by program (STREAM 2)
 
     def shipped():
         tw._write_kernel[grid](k, v, k_rot, rotation, 0, mean, k, mean, batch.slots, batch.cu_new, batch.lengths,

@@ -5,15 +5,16 @@ Two parts per layer and step:
 2. the write (`_write_kernel`) rotates the step's new keys ((k - μ_K)·R_K in float32, rounded to
    the window dtype), returns them for the step's own attention, and stores every new token
    in its region: sink, ring, or quantized straight into a page (long prompts).
-A step of many tokens runs them as two launches, the flush first: a new token may take the ring row
+A step of many tokens runs them as separate launches, the flush first: a new token may take the ring row
 of a token the flush just moved. A decode step (at most one new token per sequence) runs both in one
-launch, since its token's row is never one the flush reads (`launch_write`).
+launch, since its token's row is never one the flush reads (`launch_write`). Every program handles one
+stream, the keys or the values of one KV head and token block (`_stream_head`).
 
 Rows are processed as four contiguous quarters of D/4 channels, the planar packing of
 `oscarkv.quant.format`: quarter i of a row is code plane i (INT2), so packing is shifts
 and ors of whole tiles and every load and store is contiguous. The quantizer matches
 `quantize` bit for bit on the same input: the clip threshold is the order statistic of
-rank floor(c·D) (found by bisection, see `_clip_thresholds`), divisions round to nearest, and scale and zero
+rank floor(c·D) (found by bisection, see `_clip_threshold`), divisions round to nearest, and scale and zero
 are rounded to float16 before the codes are chosen.
 """
 
@@ -71,51 +72,38 @@ def _bisect_step(b0, b1, b2, b3, lo, hi, RANK: tl.constexpr):
 
 
 @triton.jit
-def _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_V: tl.constexpr,
-                     SHIFT: tl.constexpr):
-    """Per row, the values of 0-based rank RANK_K in ascending |k| and RANK_V in ascending |v|, exactly.
+def _clip_threshold(x0, x1, x2, x3, RANK: tl.constexpr, SHIFT: tl.constexpr):
+    """Per row, the value of 0-based rank RANK in ascending |x|, exactly.
 
     Non-negative floats order like their int32 bit patterns, so a bisection over the patterns
     (a compare-and-count per step) finds the order statistic without a sort. The rows hold values
     of the window dtype, whose float32 patterns end in SHIFT zero bits (16 for bfloat16, 13 for
-    float16), so 31 - SHIFT steps over the patterns shifted right by SHIFT are exact. Keys and values
-    bisect in the same loop; for bfloat16 their 15-bit patterns share one 32-bit word
-    (`_packed_thresholds`). A rank of -1 skips its side.
-    """
+    float16), so 31 - SHIFT steps over the patterns shifted right by SHIFT are exact. For bfloat16 two
+    15-bit patterns share one 32-bit word (`_packed_threshold`)."""
     if SHIFT == 16:
-        return _packed_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K, RANK_V)
-    return _bisect_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K, RANK_V, SHIFT)
+        return _packed_threshold(x0, x1, x2, x3, RANK)
+    return _bisect_threshold(x0, x1, x2, x3, RANK, SHIFT)
 
 
 @triton.jit
-def _bisect_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_V: tl.constexpr,
-                       SHIFT: tl.constexpr):
-    """`_clip_thresholds` with each side counted apart, per quarter (any window dtype)."""
-    top = 0x7F800000 >> SHIFT
-    k_lo = tl.zeros([k0.shape[0]], tl.int32)
-    k_hi = tl.full([k0.shape[0]], top, tl.int32)
-    v_lo = tl.zeros([v0.shape[0]], tl.int32)
-    v_hi = tl.full([v0.shape[0]], top, tl.int32)
-    kb0 = _abs_bits(k0, SHIFT)
-    kb1 = _abs_bits(k1, SHIFT)
-    kb2 = _abs_bits(k2, SHIFT)
-    kb3 = _abs_bits(k3, SHIFT)
-    vb0 = _abs_bits(v0, SHIFT)
-    vb1 = _abs_bits(v1, SHIFT)
-    vb2 = _abs_bits(v2, SHIFT)
-    vb3 = _abs_bits(v3, SHIFT)
+def _bisect_threshold(x0, x1, x2, x3, RANK: tl.constexpr, SHIFT: tl.constexpr):
+    """`_clip_threshold` for any window dtype: a bisection over the int32 patterns shifted right by SHIFT, counted
+    per quarter."""
+    lo = tl.zeros([x0.shape[0]], tl.int32)
+    hi = tl.full([x0.shape[0]], 0x7F800000 >> SHIFT, tl.int32)
+    b0 = _abs_bits(x0, SHIFT)
+    b1 = _abs_bits(x1, SHIFT)
+    b2 = _abs_bits(x2, SHIFT)
+    b3 = _abs_bits(x3, SHIFT)
     for _ in range(31 - SHIFT):
-        if RANK_K >= 0:
-            k_lo, k_hi = _bisect_step(kb0, kb1, kb2, kb3, k_lo, k_hi, RANK_K)
-        if RANK_V >= 0:
-            v_lo, v_hi = _bisect_step(vb0, vb1, vb2, vb3, v_lo, v_hi, RANK_V)
-    return (k_lo << SHIFT).to(tl.float32, bitcast=True), (v_lo << SHIFT).to(tl.float32, bitcast=True)
+        lo, hi = _bisect_step(b0, b1, b2, b3, lo, hi, RANK)
+    return (lo << SHIFT).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _pack_patterns(k, v):
-    """|k| and |v| (bfloat16 values) as 15-bit patterns in the high and low half of one uint32."""
-    return ((_abs_bits(k, 16) << 16) | _abs_bits(v, 16)).to(tl.uint32, bitcast=True)
+def _pack_patterns(a, b):
+    """|a| and |b| (bfloat16 values) as 15-bit patterns in the high and low half of one uint32."""
+    return ((_abs_bits(a, 16) << 16) | _abs_bits(b, 16)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -126,71 +114,55 @@ def _below_or_equal(mid, p):
 
 
 @triton.jit
-def _row_max_patterns(p0, p1, p2, p3):
-    """Per row, the largest |k| and |v| pattern of packed words (`_pack_patterns`). The high half orders a word, so
-    the largest word holds the largest key pattern."""
-    k_max = (tl.max(tl.maximum(tl.maximum(p0, p1), tl.maximum(p2, p3)), 1) >> 16).to(tl.int32)
-    v = tl.maximum(tl.maximum(p0 & 0x7FFF, p1 & 0x7FFF), tl.maximum(p2 & 0x7FFF, p3 & 0x7FFF))
-    return k_max, tl.max(v, 1).to(tl.int32)
+def _row_max_pattern(p0, p1):
+    """Per row, the largest pattern of packed words (`_pack_patterns`), either half."""
+    high = tl.max(tl.maximum(p0, p1), 1) >> 16  # the high half orders a word
+    low = tl.max(tl.maximum(p0 & 0x7FFF, p1 & 0x7FFF), 1)
+    return tl.maximum(high, low).to(tl.int32)
 
 
 @triton.jit
-def _packed_count(k_mid, v_mid, p0, p1, p2, p3):
-    """Per row, (how many |k| patterns are <= k_mid, how many |v| patterns are <= v_mid): one compare and one row
-    sum of the packed words for both (each half of the count is at most D, so the halves never carry)."""
-    mid = (((k_mid | 0x8000) << 16) | (v_mid | 0x8000)).to(tl.uint32, bitcast=True)[:, None]
-    flags = _below_or_equal(mid, p0) + _below_or_equal(mid, p1)
-    flags += _below_or_equal(mid, p2) + _below_or_equal(mid, p3)
-    count = tl.sum(flags, 1).to(tl.int32, bitcast=True)
-    return count >> 16, count & 0xFFFF
+def _packed_count(mid, p0, p1):
+    """Per row, how many patterns of the packed words p0, p1 are <= mid: one compare per word for both halves and
+    one row sum (each half of the sum is at most D, so the halves never carry into each other)."""
+    half = mid | 0x8000
+    both = ((half << 16) | half).to(tl.uint32, bitcast=True)[:, None]
+    count = tl.sum(_below_or_equal(both, p0) + _below_or_equal(both, p1), 1).to(tl.int32, bitcast=True)
+    return (count >> 16) + (count & 0xFFFF)
 
 
 @triton.jit
-def _packed_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, RANK_K: tl.constexpr, RANK_V: tl.constexpr):
-    """`_clip_thresholds` for bfloat16 values: the patterns of |k| and |v| share one word
-    (`_pack_patterns`), and both bisections count with one compare and one row sum per step (`_packed_count`).
+def _packed_threshold(x0, x1, x2, x3, RANK: tl.constexpr):
+    """`_clip_threshold` for bfloat16 values: the patterns of quarters 0 and 1 share one word, and of 2 and 3
+    another (`_pack_patterns`), so each bisection step is one compare per two values and one row sum
+    (`_packed_count`).
 
     The bisection starts from each row's largest pattern M: the order statistic lies in [M - 511, M] whenever
     fewer than RANK + 1 patterns lie below M - 511 (a clip rank sits within 4 binades of the row's largest value
     unless a few outliers dwarf the rest), and 9 steps cover that window. One count checks it for every row; a
     block where some row fails searches [0, M - 512] for that row instead, in the full 15 steps."""
     WINDOW: tl.constexpr = 511
-    p0 = _pack_patterns(k0, v0)
-    p1 = _pack_patterns(k1, v1)
-    p2 = _pack_patterns(k2, v2)
-    p3 = _pack_patterns(k3, v3)
-    k_hi, v_hi = _row_max_patterns(p0, p1, p2, p3)
-    k_lo = tl.maximum(k_hi - WINDOW, 0)
-    v_lo = tl.maximum(v_hi - WINDOW, 0)
-    k_below, v_below = _packed_count(tl.maximum(k_lo - 1, 0), tl.maximum(v_lo - 1, 0), p0, p1, p2, p3)
-    k_in = (k_lo == 0) | (k_below <= RANK_K) | (RANK_K < 0)  # the rank's pattern is >= k_lo
-    v_in = (v_lo == 0) | (v_below <= RANK_V) | (RANK_V < 0)
-    k_hi = tl.where(k_in, k_hi, k_lo - 1)
-    k_lo = tl.where(k_in, k_lo, 0)
-    v_hi = tl.where(v_in, v_hi, v_lo - 1)
-    v_lo = tl.where(v_in, v_lo, 0)
-    steps = tl.where(tl.min((k_in & v_in).to(tl.int32), 0) > 0, 9, 15)
-    if RANK_K >= 0 or RANK_V >= 0:
-        for _ in range(steps):
-            k_mid = k_lo + (k_hi - k_lo) // 2
-            v_mid = v_lo + (v_hi - v_lo) // 2
-            k_count, v_count = _packed_count(k_mid, v_mid, p0, p1, p2, p3)
-            k_enough = k_count > RANK_K
-            v_enough = v_count > RANK_V
-            k_lo, k_hi = tl.where(k_enough, k_lo, k_mid + 1), tl.where(k_enough, k_mid, k_hi)
-            v_lo, v_hi = tl.where(v_enough, v_lo, v_mid + 1), tl.where(v_enough, v_mid, v_hi)
-    return (k_lo << 16).to(tl.float32, bitcast=True), (v_lo << 16).to(tl.float32, bitcast=True)
+    p0 = _pack_patterns(x0, x1)
+    p1 = _pack_patterns(x2, x3)
+    hi = _row_max_pattern(p0, p1)
+    lo = tl.maximum(hi - WINDOW, 0)
+    inside = (lo == 0) | (_packed_count(tl.maximum(lo - 1, 0), p0, p1) <= RANK)  # the rank's pattern is >= lo
+    hi = tl.where(inside, hi, lo - 1)
+    lo = tl.where(inside, lo, 0)
+    steps = tl.where(tl.min(inside.to(tl.int32), 0) > 0, 9, 15)
+    for _ in range(steps):
+        mid = lo + (hi - lo) // 2
+        enough = _packed_count(mid, p0, p1) > RANK
+        lo, hi = tl.where(enough, lo, mid + 1), tl.where(enough, mid, hi)
+    return (lo << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _clip(x0, x1, x2, x3, threshold, RANK: tl.constexpr):
-    if RANK >= 0:
-        t = threshold[:, None]
-        x0 = tl.minimum(tl.maximum(x0, -t), t)
-        x1 = tl.minimum(tl.maximum(x1, -t), t)
-        x2 = tl.minimum(tl.maximum(x2, -t), t)
-        x3 = tl.minimum(tl.maximum(x3, -t), t)
-    return x0, x1, x2, x3
+def _clip(x0, x1, x2, x3, threshold):
+    """Rows clipped to [-threshold, threshold] (threshold: one per row)."""
+    t = threshold[:, None]
+    return (tl.minimum(tl.maximum(x0, -t), t), tl.minimum(tl.maximum(x1, -t), t),
+            tl.minimum(tl.maximum(x2, -t), t), tl.minimum(tl.maximum(x3, -t), t))
 
 
 @triton.jit
@@ -276,19 +248,15 @@ def _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, z
 
 
 @triton.jit
-def _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h,
-                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high,
-                       HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
-                       V_BITS: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
-                       K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr, COMPILED: tl.constexpr):
-    """Clip keys and values at their order statistics, quantize and store both into (page, row) of head h."""
-    k_threshold, v_threshold = _clip_thresholds(k0, k1, k2, k3, v0, v1, v2, v3, CLIP_K, CLIP_V, SHIFT)
-    k0, k1, k2, k3 = _clip(k0, k1, k2, k3, k_threshold, CLIP_K)
-    _quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high, HKV, P, D, NG,
-                    K_BITS, K_LLOYD, COMPILED)
-    v0, v1, v2, v3 = _clip(v0, v1, v2, v3, v_threshold, CLIP_V)
-    _quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high, HKV, P, D, NG,
-                    V_BITS, V_LLOYD, COMPILED)
+def _clip_quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, zero_ptr, low, high,
+                         HKV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+                         CLIP: tl.constexpr, SHIFT: tl.constexpr, LLOYD: tl.constexpr, COMPILED: tl.constexpr):
+    """Clip one stream's rows at their order statistic of rank CLIP (-1: no clip), quantize and store them into
+    (page, row) of head h."""
+    if CLIP >= 0:
+        x0, x1, x2, x3 = _clip(x0, x1, x2, x3, _clip_threshold(x0, x1, x2, x3, CLIP, SHIFT))
+    _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, zero_ptr, low, high, HKV, P, D, NG,
+                    BITS, LLOYD, COMPILED)
 
 
 @triton.jit
@@ -374,7 +342,7 @@ def _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h, wind
 
 
 @triton.jit
-def _flush_block(b, block, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+def _flush_block(b, block, h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
                  k_low, k_high, v_low, v_high,
                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
@@ -382,8 +350,8 @@ def _flush_block(b, block, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num
                  CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr,
                  COMPILED: tl.constexpr):
-    """Block `block` of the ring tokens of (sequence b, KV head h) that age into the history this step:
-    quantized into their pages (nothing for a block past them)."""
+    """Block `block` of the ring tokens of (sequence b, KV head h) that age into the history this step: their
+    values (values true) or keys quantized into their pages (nothing for a block past them)."""
     C: tl.constexpr = R + P
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     first = _history_end(old, S, R, P)
@@ -393,14 +361,27 @@ def _flush_block(b, block, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num
         valid = pos < stop
         ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
         page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
-        k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
-        v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
-        if KEY_SHIFTS:
-            k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
-                                              ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
-        _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr,
-                           vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
-                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD, COMPILED)
+        if values:
+            v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
+            _clip_quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
+                                 HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
+        else:
+            k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
+            if KEY_SHIFTS:
+                k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
+                                                  ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
+            _clip_quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
+                                 HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
+
+
+@triton.jit
+def _stream_head(axis, HKV: tl.constexpr, STREAM: tl.constexpr):
+    """(values?, KV head) of a program: STREAM 0 keys or 1 values of head `axis`; 2 both, by program (axis in
+    [0, 2·HKV): keys of every head, then values)."""
+    if STREAM == 2:
+        return axis >= HKV, axis % HKV
+    else:
+        return STREAM == 1, axis
 
 
 @triton.jit
@@ -412,9 +393,10 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr = False,
                   V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True):
-    """The flush alone (`_flush_block`). COMPILED: compiled for a GPU (False in the CPU interpreter: no inline
-    PTX)."""
-    _flush_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), slots_ptr, cu_ptr, len_ptr, bt_ptr,
+    """The flush alone (`_flush_block`), keys and values in separate programs (axis 2: `_stream_head`, STREAM 2).
+    COMPILED: compiled for a GPU (False in the CPU interpreter: no inline PTX)."""
+    values, h = _stream_head(tl.program_id(2), HKV, 2)
+    _flush_block(tl.program_id(0), tl.program_id(1), h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr,
                  bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
                  kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R,
                  CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
@@ -462,8 +444,12 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
                   ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, COMPILED: tl.constexpr = True,
-                  K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False, FLUSH_BLOCKS: tl.constexpr = 0):
-    """ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
+                  K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False, FLUSH_BLOCKS: tl.constexpr = 0,
+                  STREAM: tl.constexpr = 2):
+    """One token block of one stream: the keys or the values of a KV head (axis 2, `_stream_head`: STREAM 0 keys,
+    1 values, 2 both by program).
+
+    ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
     the pieces of R_K at pieces_ptr (`_rotate_by_pieces`). rot_head_stride is 0 for one R_K per
     layer and the elements between two KV heads' matrices (rot_ptr or pieces_ptr) for one per head.
 
@@ -474,11 +460,11 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     ring row is never one that the flush reads (see `launch_write`)."""
     b = tl.program_id(0)
     block = tl.program_id(1)
-    h = tl.program_id(2)
+    values, h = _stream_head(tl.program_id(2), HKV, STREAM)
     if FLUSH_BLOCKS > 0:
         if block > 0:
-            _flush_block(b, block - 1, h, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
-                         kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low,
+            _flush_block(b, block - 1, h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr,
+                         ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low,
                          k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT,
                          BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
             return
@@ -492,65 +478,76 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     pos = old + t
     end_new = _history_end(old + count, S, R, P)
     row_in = (start + t).to(tl.int64) * HKV + h  # row of the [T, Hkv, D] inputs, in units of D
-
-    # Keys: center and rotate in float32, round to the window dtype (what every region holds).
-    if ROTATE == 2:
-        cols = tl.arange(0, D)
-        x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
-        k0, k1, k2, k3 = _rotate_by_pieces(x, pieces_ptr + h * rot_head_stride, mean_rot_ptr, h, BLOCK_T, D,
-                                           CENTER, COMPILED)
-    elif ROTATE == 1:
-        cols = tl.arange(0, D)
-        x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        if CENTER:
-            x = x - tl.load(mean_ptr + h * D + cols)[None, :]
-        r_rows = rot_ptr + h * rot_head_stride + cols[:, None] * D + tl.arange(0, W)[None, :]
-        k0 = tl.dot(x, tl.load(r_rows), input_precision="tf32x3")
-        k1 = tl.dot(x, tl.load(r_rows + W), input_precision="tf32x3")
-        k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="tf32x3")
-        k3 = tl.dot(x, tl.load(r_rows + 3 * W), input_precision="tf32x3")
-    else:
-        k0, k1, k2, k3 = _load_window(k_ptr, row_in, valid, D)
-        if CENTER:
-            mean = mean_ptr + h * D + tl.arange(0, W)
-            k0 = k0 - tl.load(mean)[None, :]
-            k1 = k1 - tl.load(mean + W)[None, :]
-            k2 = k2 - tl.load(mean + 2 * W)[None, :]
-            k3 = k3 - tl.load(mean + 3 * W)[None, :]
     window_dtype = ring_k_ptr.dtype.element_ty
-    k0 = _round_to(k0, window_dtype)
-    k1 = _round_to(k1, window_dtype)
-    k2 = _round_to(k2, window_dtype)
-    k3 = _round_to(k3, window_dtype)
-    v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
-    if v_ptr.dtype.element_ty != window_dtype:
-        v0 = _round_to(v0, window_dtype)
-        v1 = _round_to(v1, window_dtype)
-        v2 = _round_to(v2, window_dtype)
-        v3 = _round_to(v3, window_dtype)
-    _store_window(k_rot_ptr, row_in, valid, k0, k1, k2, k3, D)
-
     in_sink = valid & (pos < S)
     sink_row = (slot.to(tl.int64) * HKV + h) * S + pos
-    _store_window(sink_k_ptr, sink_row, in_sink, k0, k1, k2, k3, D)
-    _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
     in_ring = valid & (pos >= end_new)
     ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
-    _store_window(ring_k_ptr, ring_row, in_ring, k0, k1, k2, k3, D)
-    _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
     # Straight into pages only for long prompts; decode tokens always land in the ring, and the
-    # quantizer (the clip bisections) is skipped for blocks with no history row.
+    # quantizer (the clip bisection) is skipped for blocks with no history row.
     first_pos = old + block * BLOCK_T
     last_pos = old + tl.minimum(count, block * BLOCK_T + BLOCK_T) - 1
-    if (first_pos < end_new) & (last_pos >= S):
-        in_history = valid & (pos >= S) & (pos < end_new)
-        page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
-        if KEY_SHIFTS:
-            k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, in_history, h,
-                                              window_dtype, HKV, D, S, P, SHIFT_BLOCK)
-        _quantize_store_kv(k0, k1, k2, k3, v0, v1, v2, v3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr,
-                           vc_ptr, vs_ptr, vz_ptr, k_low, k_high, v_low, v_high, HKV, P, D, NG, K_BITS, V_BITS,
-                           CLIP_K, CLIP_V, SHIFT, K_LLOYD, V_LLOYD, COMPILED)
+    to_pages = (first_pos < end_new) & (last_pos >= S)
+    in_history = valid & (pos >= S) & (pos < end_new)
+
+    if values:
+        v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
+        if v_ptr.dtype.element_ty != window_dtype:
+            v0 = _round_to(v0, window_dtype)
+            v1 = _round_to(v1, window_dtype)
+            v2 = _round_to(v2, window_dtype)
+            v3 = _round_to(v3, window_dtype)
+        _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
+        _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
+        if to_pages:
+            page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+            _clip_quantize_store(v0, v1, v2, v3, in_history, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
+                                 HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
+    else:
+        # Keys: center and rotate in float32, round to the window dtype (what every region holds).
+        if ROTATE == 2:
+            cols = tl.arange(0, D)
+            x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
+            k0, k1, k2, k3 = _rotate_by_pieces(x, pieces_ptr + h * rot_head_stride, mean_rot_ptr, h, BLOCK_T, D,
+                                               CENTER, COMPILED)
+        elif ROTATE == 1:
+            cols = tl.arange(0, D)
+            x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            if CENTER:
+                x = x - tl.load(mean_ptr + h * D + cols)[None, :]
+            r_rows = rot_ptr + h * rot_head_stride + cols[:, None] * D + tl.arange(0, W)[None, :]
+            k0 = tl.dot(x, tl.load(r_rows), input_precision="tf32x3")
+            k1 = tl.dot(x, tl.load(r_rows + W), input_precision="tf32x3")
+            k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="tf32x3")
+            k3 = tl.dot(x, tl.load(r_rows + 3 * W), input_precision="tf32x3")
+        else:
+            k0, k1, k2, k3 = _load_window(k_ptr, row_in, valid, D)
+            if CENTER:
+                mean = mean_ptr + h * D + tl.arange(0, W)
+                k0 = k0 - tl.load(mean)[None, :]
+                k1 = k1 - tl.load(mean + W)[None, :]
+                k2 = k2 - tl.load(mean + 2 * W)[None, :]
+                k3 = k3 - tl.load(mean + 3 * W)[None, :]
+        k0 = _round_to(k0, window_dtype)
+        k1 = _round_to(k1, window_dtype)
+        k2 = _round_to(k2, window_dtype)
+        k3 = _round_to(k3, window_dtype)
+        _store_window(k_rot_ptr, row_in, valid, k0, k1, k2, k3, D)
+        _store_window(sink_k_ptr, sink_row, in_sink, k0, k1, k2, k3, D)
+        _store_window(ring_k_ptr, ring_row, in_ring, k0, k1, k2, k3, D)
+        if to_pages:
+            if ROTATE > 0:
+                # The dots leave the keys in their accumulator layout, where the quantizer's row sums cost about
+                # 2.4x the instructions and the kernel 239 registers instead of 152: read the rows just stored
+                # back instead (k_rot holds the window dtype, so they are the same values).
+                tl.debug_barrier()
+                k0, k1, k2, k3 = _load_window(k_rot_ptr, row_in, valid, D)
+            page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+            if KEY_SHIFTS:
+                k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, in_history, h,
+                                                  window_dtype, HKV, D, S, P, SHIFT_BLOCK)
+            _clip_quantize_store(k0, k1, k2, k3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
+                                 HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
 
 
 def lloyd_thresholds(inner: float | None) -> tuple[float, float]:
@@ -610,21 +607,30 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     bt = batch.block_table
     pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
     merged = merge and batch.max_new == 1
+    # Blocks of 16 tokens (the flush, decode and other short steps) run in 2 warps per program: a program's clip
+    # bisection sums 16-token rows of one stream, which 4 warps spread over too many threads. On the H100 a decode
+    # step's write (flush included) took 19.4 us at 32 x 8K with 2 warps, 27.5 with 4 and 23.8 with 1; at 1 x 32K
+    # 6.0, 5.5 and 16.2 us (scripts/probe_write_ab.py).
+    small_block = dict(num_warps=2)
     # A step of one token ages at most one page out of the ring; a longer one up to the whole ring.
     flush_blocks = triton.cdiv(lay.page_size if merged else lay.ring_capacity, block_tokens)
+    # Keys and values run in separate programs (`_stream_head`): 2·Hkv programs on axis 2 where one launch does both.
     if not merged:
-        _flush_kernel[(b, flush_blocks, lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
+        _flush_kernel[(b, flush_blocks, 2 * lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
                                                        layer.num_pages, *pages, layer.ring_k, layer.ring_v, *tail,
-                                                       **common)
+                                                       **common, **small_block)
         if batch.max_new == 0:
             return
     # Long steps (prompts) with D <= 128 take blocks of 64 tokens: a quarter of the programs, each
     # loading R_K once. A sweep on the H100 (32K tokens, 8 KV heads, D = 128, 2 to 8 warps, blocks of
     # 16 to 128 tokens) found 64 tokens with 4 warps fastest, 2.0x faster than 16; 32 tokens spill.
     # Short steps (decode) keep blocks of 16 for latency.
-    write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens
+    # Prompts run keys and values as two launches (STREAM 0, then 1), each compiled for its stream alone:
+    # 152 and 128 registers instead of 182 for a kernel that branches on the program, so 3 and 4 programs share a
+    # multiprocessor. Other steps take one launch for both (STREAM 2).
+    write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens  # 4 warps for 64
     write_blocks = triton.cdiv(batch.max_new, write_block)
-    grid = (b, write_blocks + (flush_blocks if merged else 0), lay.kv_heads)
+    streams = (0, 1) if write_block == 64 else (2,)
     if pieces is not None:
         rotate, stride = 2, pieces.head_stride
         mean_rotated = pieces.mean_rotated if pieces.mean_rotated is not None else k
@@ -632,11 +638,13 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
         rotate = 0 if rotation is None else 1
         stride = d * d if rotation is not None and rotation.dim() == 3 else 0
         mean_rotated = k
-    _write_kernel[grid](k, v, k_rot, rotation if rotation is not None else k, stride,
-                        mean if mean is not None else k,
-                        pieces.pieces if pieces is not None else k, mean_rotated,
-                        batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                        *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
-                        ROTATE=rotate, CENTER=mean is not None,
-                        FLUSH_BLOCKS=flush_blocks if merged else 0,
-                        **dict(common, BLOCK_T=write_block))
+    for stream in streams:
+        grid = (b, write_blocks + (flush_blocks if merged else 0), lay.kv_heads * (2 if stream == 2 else 1))
+        _write_kernel[grid](k, v, k_rot, rotation if rotation is not None else k, stride,
+                            mean if mean is not None else k,
+                            pieces.pieces if pieces is not None else k, mean_rotated,
+                            batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
+                            *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
+                            ROTATE=rotate, CENTER=mean is not None,
+                            FLUSH_BLOCKS=flush_blocks if merged else 0, STREAM=stream,
+                            **dict(common, BLOCK_T=write_block), **(small_block if write_block == 16 else {}))
