@@ -2,9 +2,8 @@
 
 A 32K-token prompt into an empty paged cache (8 KV heads, D = 128, group 128, INT2, bfloat16 keys rotated by R_K's
 pieces, clip 0.96 / 0.92), as in `oscarkv bench attention`'s write row. `launch_write` runs a prompt's keys and
-values as two launches (STREAM 0 and 1); one launch with both by program (STREAM 2, as short steps take) must store
-the same bytes, and is timed with and without a 168-register cap (three programs per multiprocessor); then either
-stream in other block sizes.
+values as two launches (STREAM 0 and 1); one launch with both in one program (STREAM 2, as short steps take) must
+store the same bytes, and is timed with and without a 168-register cap; then either stream in other block sizes.
 
     PYTHONPATH=src python scripts/probe_write_streams.py
 """
@@ -43,7 +42,7 @@ def main() -> None:
     def launch(streams, maxnreg=None, block=64, warps=4):
         extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
         for stream in streams:
-            grid = (1, triton.cdiv(TOKENS, block), KV_HEADS * (2 if stream == 2 else 1))
+            grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)
             triton_write._write_kernel[grid](
                 k, v, k_rot, rotation, 0, mean, pieces.pieces, pieces.mean_rotated, batch.slots, batch.cu_new,
                 batch.lengths, batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages,

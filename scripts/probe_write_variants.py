@@ -239,7 +239,7 @@ def main() -> None:
                   R=layout.recent_tokens, CLIP_K=clip_k, CLIP_V=clip_v, SHIFT=16, ROTATE=1, CENTER=True,
                   BLOCK_T=64, KEY_SHIFTS=False, SHIFT_BLOCK=1, COMPILED=device.type == "cuda",
                   enable_fp_fusion=False)
-    grid = (1, triton.cdiv(TOKENS, 64), 2 * KV_HEADS)  # keys and values by program (STREAM 2)
+    grid = (1, triton.cdiv(TOKENS, 64), KV_HEADS)  # keys and values in one program (STREAM 2)
 
     def shipped():
         tw._write_kernel[grid](k, v, k_rot, rotation, 0, mean, k, mean, batch.slots, batch.cu_new, batch.lengths,

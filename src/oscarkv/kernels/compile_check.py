@@ -118,35 +118,34 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024, COMPILED=True)
-        # flush and write in one launch, keys and values by program (`triton_write._stream_head`)
+        # flush and write in one launch, keys and values in one program
         decode_write = dict(write, FLUSH_BLOCKS=-(-page // 16), STREAM=2)
         short_write = dict(write, FLUSH_BLOCKS=0, STREAM=2)  # a step of 2 to 63 tokens per sequence
         prompt_keys, prompt_values = (dict(write, FLUSH_BLOCKS=0, STREAM=stream) for stream in (0, 1))
         # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)
         rotations = (2, 1) if d <= 128 else (1,)
-        unfused = dict(enable_fp_fusion=False)  # as launch_write runs them; 16-token blocks in 2 warps
-        small = dict(unfused, num_warps=2)
+        unfused = dict(enable_fp_fusion=False)  # as launch_write runs them
         for rotate in rotations:
             for block, step in ((16, decode_write), (16, short_write), (64, prompt_keys)):
                 jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                             dict(step, ROTATE=rotate, CENTER=True, BLOCK_T=block), small if block == 16 else unfused))
+                             dict(step, ROTATE=rotate, CENTER=True, BLOCK_T=block), unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
                      dict(prompt_values, ROTATE=rotations[0], CENTER=True, BLOCK_T=64), unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
                      dict(prompt_keys, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True),
                      unfused))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(decode_write, ROTATE=0, CENTER=False, BLOCK_T=16), small))
+                     dict(decode_write, ROTATE=0, CENTER=False, BLOCK_T=16), unfused))
         for shifted in (False, True):
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, KEY_SHIFTS=shifted),
-                         small))
+                         unfused))
         if key_bits == value_bits == 2:  # Lloyd–Max levels: prefill, decode history, prompt write, flush
             lloyd = dict(K_LLOYD=True, V_LLOYD=True)
             jobs += [attention(1, 0, 1, **lloyd), attention(17, 1, 4, **lloyd)]
             jobs += [(triton_write._write_kernel, WRITE_TYPES,
                       dict(step, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, **lloyd), unfused)
                      for step in (prompt_keys, prompt_values)]
-            jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), small))
+            jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), unfused))
         # extend steps' dense keys and values (`kernels.extend`): keys with shifts, values at Lloyd-Max levels if INT2
         dense_kv = dict(HKV=hkv, D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink,
                         C=recent + page, K_LLOYD=False, V_LLOYD=value_bits == 2, KEY_SHIFTS=True, BLOCK=64)

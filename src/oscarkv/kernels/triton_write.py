@@ -7,8 +7,8 @@ Two parts per layer and step:
    in its region: sink, ring, or quantized straight into a page (long prompts).
 A step of many tokens runs them as separate launches, the flush first: a new token may take the ring row
 of a token the flush just moved. A decode step (at most one new token per sequence) runs both in one
-launch, since its token's row is never one the flush reads (`launch_write`). Every program handles one
-stream, the keys or the values of one KV head and token block (`_stream_head`).
+launch, since its token's row is never one the flush reads (`launch_write`). A prompt's keys and values run
+as two launches (STREAM 0 and 1 of `_write_kernel`); other steps take both in one program.
 
 Rows are processed as four contiguous quarters of D/4 channels, the planar packing of
 `oscarkv.quant.format`: quarter i of a row is code plane i (INT2), so packing is shifts
@@ -72,7 +72,7 @@ def _bisect_step(b0, b1, b2, b3, lo, hi, RANK: tl.constexpr):
 
 
 @triton.jit
-def _clip_threshold(x0, x1, x2, x3, RANK: tl.constexpr, SHIFT: tl.constexpr):
+def _clip_threshold(x0, x1, x2, x3, RANK: tl.constexpr, SHIFT: tl.constexpr, COMPILED: tl.constexpr):
     """Per row, the value of 0-based rank RANK in ascending |x|, exactly.
 
     Non-negative floats order like their int32 bit patterns, so a bisection over the patterns
@@ -81,7 +81,7 @@ def _clip_threshold(x0, x1, x2, x3, RANK: tl.constexpr, SHIFT: tl.constexpr):
     float16), so 31 - SHIFT steps over the patterns shifted right by SHIFT are exact. For bfloat16 two
     15-bit patterns share one 32-bit word (`_packed_threshold`)."""
     if SHIFT == 16:
-        return _packed_threshold(x0, x1, x2, x3, RANK)
+        return _packed_threshold(x0, x1, x2, x3, RANK, COMPILED)
     return _bisect_threshold(x0, x1, x2, x3, RANK, SHIFT)
 
 
@@ -107,10 +107,16 @@ def _pack_patterns(a, b):
 
 
 @triton.jit
-def _below_or_equal(mid, p):
-    """Per half of the packed words: 1 where the pattern is <= that half of `mid` (0x8000 | m in each
-    half). 0x8000 + m - b stays within its half for 15-bit m and b, and its bit 15 says m >= b."""
-    return ((mid - p) >> 15) & 0x10001
+def _below_or_equal(mid, p, COMPILED: tl.constexpr):
+    """Per half of the packed words: FLAG (in that half) where the pattern is <= that half of `mid` (0x8000 | m in
+    each half), else 0. 0x8000 + m - b stays within its half for 15-bit m and b, and its bit 15 says m >= b.
+    COMPILED: one byte permute spreads bits 15 and 31 over the low bytes of their halves (FLAG 255, one instruction
+    instead of a shift and a mask); the CPU interpreter, which has no inline PTX, shifts and masks (FLAG 1)."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4B49;", "=r,r", [mid - p], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        return ((mid - p) >> 15) & 0x10001
 
 
 @triton.jit
@@ -122,17 +128,19 @@ def _row_max_pattern(p0, p1):
 
 
 @triton.jit
-def _packed_count(mid, p0, p1):
+def _packed_count(mid, p0, p1, COMPILED: tl.constexpr):
     """Per row, how many patterns of the packed words p0, p1 are <= mid: one compare per word for both halves and
-    one row sum (each half of the sum is at most D, so the halves never carry into each other)."""
+    one row sum (each half of the sum is at most 255·D/2, so the halves never carry into each other)."""
     half = mid | 0x8000
     both = ((half << 16) | half).to(tl.uint32, bitcast=True)[:, None]
-    count = tl.sum(_below_or_equal(both, p0) + _below_or_equal(both, p1), 1).to(tl.int32, bitcast=True)
-    return (count >> 16) + (count & 0xFFFF)
+    flags = tl.sum(_below_or_equal(both, p0, COMPILED) + _below_or_equal(both, p1, COMPILED), 1)
+    flags = flags.to(tl.int32, bitcast=True)
+    total = (flags >> 16) + (flags & 0xFFFF)
+    return total // 255 if COMPILED else total
 
 
 @triton.jit
-def _packed_threshold(x0, x1, x2, x3, RANK: tl.constexpr):
+def _packed_threshold(x0, x1, x2, x3, RANK: tl.constexpr, COMPILED: tl.constexpr):
     """`_clip_threshold` for bfloat16 values: the patterns of quarters 0 and 1 share one word, and of 2 and 3
     another (`_pack_patterns`), so each bisection step is one compare per two values and one row sum
     (`_packed_count`).
@@ -146,13 +154,13 @@ def _packed_threshold(x0, x1, x2, x3, RANK: tl.constexpr):
     p1 = _pack_patterns(x2, x3)
     hi = _row_max_pattern(p0, p1)
     lo = tl.maximum(hi - WINDOW, 0)
-    inside = (lo == 0) | (_packed_count(tl.maximum(lo - 1, 0), p0, p1) <= RANK)  # the rank's pattern is >= lo
+    inside = (lo == 0) | (_packed_count(tl.maximum(lo - 1, 0), p0, p1, COMPILED) <= RANK)  # the rank's is >= lo
     hi = tl.where(inside, hi, lo - 1)
     lo = tl.where(inside, lo, 0)
     steps = tl.where(tl.min(inside.to(tl.int32), 0) > 0, 9, 15)
     for _ in range(steps):
         mid = lo + (hi - lo) // 2
-        enough = _packed_count(mid, p0, p1) > RANK
+        enough = _packed_count(mid, p0, p1, COMPILED) > RANK
         lo, hi = tl.where(enough, lo, mid + 1), tl.where(enough, mid, hi)
     return (lo << 16).to(tl.float32, bitcast=True)
 
@@ -254,7 +262,7 @@ def _clip_quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_p
     """Clip one stream's rows at their order statistic of rank CLIP (-1: no clip), quantize and store them into
     (page, row) of head h."""
     if CLIP >= 0:
-        x0, x1, x2, x3 = _clip(x0, x1, x2, x3, _clip_threshold(x0, x1, x2, x3, CLIP, SHIFT))
+        x0, x1, x2, x3 = _clip(x0, x1, x2, x3, _clip_threshold(x0, x1, x2, x3, CLIP, SHIFT, COMPILED))
     _quantize_store(x0, x1, x2, x3, valid, page, row, h, codes_ptr, scale_ptr, zero_ptr, low, high, HKV, P, D, NG,
                     BITS, LLOYD, COMPILED)
 
@@ -342,7 +350,7 @@ def _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h, wind
 
 
 @triton.jit
-def _flush_block(b, block, h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+def _flush_block(b, block, h, VALUES: tl.constexpr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
                  k_low, k_high, v_low, v_high,
                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
@@ -351,7 +359,7 @@ def _flush_block(b, block, h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_str
                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr,
                  COMPILED: tl.constexpr):
     """Block `block` of the ring tokens of (sequence b, KV head h) that age into the history this step: their
-    values (values true) or keys quantized into their pages (nothing for a block past them)."""
+    values (VALUES) or keys quantized into their pages (nothing for a block past them)."""
     C: tl.constexpr = R + P
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     first = _history_end(old, S, R, P)
@@ -361,7 +369,7 @@ def _flush_block(b, block, h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_str
         valid = pos < stop
         ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
         page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
-        if values:
+        if VALUES:
             v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
             _clip_quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
                                  HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
@@ -375,16 +383,6 @@ def _flush_block(b, block, h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_str
 
 
 @triton.jit
-def _stream_head(axis, HKV: tl.constexpr, STREAM: tl.constexpr):
-    """(values?, KV head) of a program: STREAM 0 keys or 1 values of head `axis`; 2 both, by program (axis in
-    [0, 2·HKV): keys of every head, then values)."""
-    if STREAM == 2:
-        return axis >= HKV, axis % HKV
-    else:
-        return STREAM == 1, axis
-
-
-@triton.jit
 def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
                   k_low, k_high, v_low, v_high,
@@ -393,13 +391,13 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr = False,
                   V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True):
-    """The flush alone (`_flush_block`), keys and values in separate programs (axis 2: `_stream_head`, STREAM 2).
-    COMPILED: compiled for a GPU (False in the CPU interpreter: no inline PTX)."""
-    values, h = _stream_head(tl.program_id(2), HKV, 2)
-    _flush_block(tl.program_id(0), tl.program_id(1), h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr,
-                 bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
-                 kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R,
-                 CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
+    """The flush alone (`_flush_block`), keys then values. COMPILED: compiled for a GPU (False in the CPU
+    interpreter: no inline PTX)."""
+    for values in tl.static_range(2):
+        _flush_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), values == 1, slots_ptr, cu_ptr, len_ptr,
+                     bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr,
+                     ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P,
+                     S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
 
 
 @triton.jit
@@ -446,8 +444,8 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                   KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, COMPILED: tl.constexpr = True,
                   K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False, FLUSH_BLOCKS: tl.constexpr = 0,
                   STREAM: tl.constexpr = 2):
-    """One token block of one stream: the keys or the values of a KV head (axis 2, `_stream_head`: STREAM 0 keys,
-    1 values, 2 both by program).
+    """One token block of KV head `program_id(2)`: its keys (STREAM 0), its values (STREAM 1), or both, one after
+    the other (STREAM 2).
 
     ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
     the pieces of R_K at pieces_ptr (`_rotate_by_pieces`). rot_head_stride is 0 for one R_K per
@@ -460,13 +458,16 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     ring row is never one that the flush reads (see `launch_write`)."""
     b = tl.program_id(0)
     block = tl.program_id(1)
-    values, h = _stream_head(tl.program_id(2), HKV, STREAM)
+    h = tl.program_id(2)
     if FLUSH_BLOCKS > 0:
         if block > 0:
-            _flush_block(b, block - 1, h, values, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr,
-                         ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low,
-                         k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT,
-                         BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
+            for values in tl.static_range(2):
+                if STREAM == 2 or STREAM == values:
+                    _flush_block(b, block - 1, h, values == 1, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride,
+                                 num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
+                                 kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P,
+                                 S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD,
+                                 COMPILED)
             return
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
@@ -490,7 +491,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     to_pages = (first_pos < end_new) & (last_pos >= S)
     in_history = valid & (pos >= S) & (pos < end_new)
 
-    if values:
+    if STREAM != 0:
         v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
         if v_ptr.dtype.element_ty != window_dtype:
             v0 = _round_to(v0, window_dtype)
@@ -503,7 +504,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
             page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
             _clip_quantize_store(v0, v1, v2, v3, in_history, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
                                  HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
-    else:
+    if STREAM != 1:
         # Keys: center and rotate in float32, round to the window dtype (what every region holds).
         if ROTATE == 2:
             cols = tl.arange(0, D)
@@ -607,28 +608,23 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     bt = batch.block_table
     pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
     merged = merge and batch.max_new == 1
-    # Blocks of 16 tokens (the flush, decode and other short steps) run in 2 warps per program: a program's clip
-    # bisection sums 16-token rows of one stream, which 4 warps spread over too many threads. On the H100 a decode
-    # step's write (flush included) took 19.4 us at 32 x 8K with 2 warps, 27.5 with 4 and 23.8 with 1; at 1 x 32K
-    # 6.0, 5.5 and 16.2 us (scripts/probe_write_ab.py).
-    small_block = dict(num_warps=2)
     # A step of one token ages at most one page out of the ring; a longer one up to the whole ring.
     flush_blocks = triton.cdiv(lay.page_size if merged else lay.ring_capacity, block_tokens)
-    # Keys and values run in separate programs (`_stream_head`): 2·Hkv programs on axis 2 where one launch does both.
     if not merged:
-        _flush_kernel[(b, flush_blocks, 2 * lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
+        _flush_kernel[(b, flush_blocks, lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
                                                        layer.num_pages, *pages, layer.ring_k, layer.ring_v, *tail,
-                                                       **common, **small_block)
+                                                       **common)
         if batch.max_new == 0:
             return
     # Long steps (prompts) with D <= 128 take blocks of 64 tokens: a quarter of the programs, each
     # loading R_K once. A sweep on the H100 (32K tokens, 8 KV heads, D = 128, 2 to 8 warps, blocks of
     # 16 to 128 tokens) found 64 tokens with 4 warps fastest, 2.0x faster than 16; 32 tokens spill.
     # Short steps (decode) keep blocks of 16 for latency.
-    # Prompts run keys and values as two launches (STREAM 0, then 1), each compiled for its stream alone:
-    # 152 and 128 registers instead of 182 for a kernel that branches on the program, so 3 and 4 programs share a
-    # multiprocessor. Other steps take one launch for both (STREAM 2).
-    write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens  # 4 warps for 64
+    # Prompts run keys and values as two launches (STREAM 0, then 1): 154 and 128 registers instead of 238 for
+    # both in one program, so 3 and 4 programs share a multiprocessor (docs/kernels.md, "Write: keys and values in
+    # separate programs"). Other steps keep both in one program (STREAM 2): a decode step's write is mostly the
+    # rotation of one key per head, and twice the programs made the whole-model step slower.
+    write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens
     write_blocks = triton.cdiv(batch.max_new, write_block)
     streams = (0, 1) if write_block == 64 else (2,)
     if pieces is not None:
@@ -638,8 +634,8 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
         rotate = 0 if rotation is None else 1
         stride = d * d if rotation is not None and rotation.dim() == 3 else 0
         mean_rotated = k
+    grid = (b, write_blocks + (flush_blocks if merged else 0), lay.kv_heads)
     for stream in streams:
-        grid = (b, write_blocks + (flush_blocks if merged else 0), lay.kv_heads * (2 if stream == 2 else 1))
         _write_kernel[grid](k, v, k_rot, rotation if rotation is not None else k, stride,
                             mean if mean is not None else k,
                             pieces.pieces if pieces is not None else k, mean_rotated,
@@ -647,4 +643,4 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                             *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
                             ROTATE=rotate, CENTER=mean is not None,
                             FLUSH_BLOCKS=flush_blocks if merged else 0, STREAM=stream,
-                            **dict(common, BLOCK_T=write_block), **(small_block if write_block == 16 else {}))
+                            **dict(common, BLOCK_T=write_block))
