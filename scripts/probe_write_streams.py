@@ -13,30 +13,19 @@ from __future__ import annotations
 import torch
 import triton
 
-from oscarkv.benchmarks.attention import _layout
-from oscarkv.cache.paged import PagedKVCache
+from oscarkv.benchmarks.attention import write_case
 from oscarkv.kernels import triton_write
-from oscarkv.kernels.ops import rotation_pieces
 
 TOKENS, KV_HEADS, HEAD_DIM = 32768, 8, 128
 
 
 def main() -> None:
-    device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    layout = _layout(KV_HEADS, HEAD_DIM, 128)
-    cache = PagedKVCache([layout], layout.pages_needed(TOKENS), 1, TOKENS, device)
-    batch = cache.step([cache.open_slot()], [TOKENS])
-    layer = cache.layers[0]
-    k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, generator=gen).bfloat16().to(device)
-    v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, generator=gen).bfloat16().to(device)
-    rotation, _ = torch.linalg.qr(torch.randn(HEAD_DIM, HEAD_DIM, generator=gen, dtype=torch.float64))
-    rotation = rotation.float().to(device)
-    mean = torch.randn(KV_HEADS, HEAD_DIM, generator=gen).to(device)
+    case = write_case(TOKENS, KV_HEADS, HEAD_DIM)
+    device, batch, layer, layout = case.k.device, case.step, case.layer, case.layer.layout
+    k, v, rotation, mean, pieces = case.k, case.v, case.rotation, case.mean, case.pieces
     k_rot = torch.empty_like(k)
     pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
     stored = (*pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, k_rot)
-    pieces = rotation_pieces(rotation, mean)
     print(f"{torch.cuda.get_device_name(device)}, Triton {triton.__version__}, torch {torch.__version__}")
 
     def launch(streams, maxnreg=None, block=64, warps=4):

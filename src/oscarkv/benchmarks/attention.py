@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..cache.paged import PagedKVCache, PagedLayout
+from ..cache.paged import PagedKVCache, PagedLayer, PagedLayout, StepBatch
 from ..errors import OscarError
 from ..kernels import reference
-from ..kernels.ops import attend_step, choose_splits, rotation_pieces, write_step
+from ..kernels.ops import RotationPieces, attend_step, choose_splits, rotation_pieces, write_step
 
 DEFAULT_SHAPES = ((1, 8192), (1, 32768), (1, 65536), (1, 131072), (32, 8192), (32, 32768))
 
@@ -227,22 +227,44 @@ def _sdpa_flash(q, k, v):
         return _sdpa(q, k, v)
 
 
-def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, group: int = 128,
-                copy_gbs: float | None = None, inner: float | None = None) -> WriteResult:
-    """Write path of a prompt of `tokens` tokens into an empty cache (center, rotate, quantize, pack)."""
-    device = torch.device("cuda")
+@dataclass
+class WriteCase:
+    """A prompt into an empty paged cache: bfloat16 keys and values [T, Hkv, D], a random R_K and μ_K."""
+    cache: PagedKVCache
+    step: StepBatch
+    k: torch.Tensor
+    v: torch.Tensor
+    rotation: torch.Tensor
+    mean: torch.Tensor
+    pieces: RotationPieces
+
+    @property
+    def layer(self) -> PagedLayer:
+        return self.cache.layers[0]
+
+
+def write_case(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, group: int = 128,
+               device: str = "cuda") -> WriteCase:
+    device = torch.device(device)
     layout = _layout(kv_heads, head_dim, group)
     cache = PagedKVCache([layout], layout.pages_needed(tokens), 1, tokens, device)
-    slot = cache.open_slot()
-    step = cache.step([slot], [tokens])
+    step = cache.step([cache.open_slot()], [tokens])
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen).bfloat16().to(device)
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen).bfloat16().to(device)
     rotation, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
     rotation = rotation.float().to(device)
     mean = torch.randn(kv_heads, head_dim, generator=gen).to(device)
-    layer = cache.layers[0]
     pieces = rotation_pieces(rotation, mean)  # prepared once per layer, as PagedOscarCache does
+    return WriteCase(cache, step, k, v, rotation, mean, pieces)
+
+
+def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, group: int = 128,
+                copy_gbs: float | None = None, inner: float | None = None) -> WriteResult:
+    """Write path of a prompt of `tokens` tokens into an empty cache (center, rotate, quantize, pack)."""
+    case = write_case(tokens, kv_heads, head_dim, group)
+    device, layer, step, k, v = case.k.device, case.layer, case.step, case.k, case.v
+    rotation, mean, pieces, layout = case.rotation, case.mean, case.pieces, case.layer.layout
     us = _time_us(lambda: write_step(layer, step, k, v, rotation, mean, 0.96, 0.92, validate=False, pieces=pieces),
                   graph=False)
     lloyd_us = None

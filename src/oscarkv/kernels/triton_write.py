@@ -295,6 +295,12 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _round_quarters(x0, x1, x2, x3, dtype: tl.constexpr):
+    """Four quarters rounded to `dtype` (`_round_to`)."""
+    return _round_to(x0, dtype), _round_to(x1, dtype), _round_to(x2, dtype), _round_to(x3, dtype)
+
+
+@triton.jit
 def _store_window(ptr, row, valid, x0, x1, x2, x3, D: tl.constexpr):
     """Store quarters [BLOCK_T, D/4] at row offsets `row` (in units of D) of a window buffer."""
     W: tl.constexpr = D // 4
@@ -494,10 +500,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     if STREAM != 0:
         v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
         if v_ptr.dtype.element_ty != window_dtype:
-            v0 = _round_to(v0, window_dtype)
-            v1 = _round_to(v1, window_dtype)
-            v2 = _round_to(v2, window_dtype)
-            v3 = _round_to(v3, window_dtype)
+            v0, v1, v2, v3 = _round_quarters(v0, v1, v2, v3, window_dtype)
         _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
         _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
         if to_pages:
@@ -529,10 +532,7 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                 k1 = k1 - tl.load(mean + W)[None, :]
                 k2 = k2 - tl.load(mean + 2 * W)[None, :]
                 k3 = k3 - tl.load(mean + 3 * W)[None, :]
-        k0 = _round_to(k0, window_dtype)
-        k1 = _round_to(k1, window_dtype)
-        k2 = _round_to(k2, window_dtype)
-        k3 = _round_to(k3, window_dtype)
+        k0, k1, k2, k3 = _round_quarters(k0, k1, k2, k3, window_dtype)
         _store_window(k_rot_ptr, row_in, valid, k0, k1, k2, k3, D)
         _store_window(sink_k_ptr, sink_row, in_sink, k0, k1, k2, k3, D)
         _store_window(ring_k_ptr, ring_row, in_ring, k0, k1, k2, k3, D)
