@@ -497,16 +497,6 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     to_pages = (first_pos < end_new) & (last_pos >= S)
     in_history = valid & (pos >= S) & (pos < end_new)
 
-    if STREAM != 0:
-        v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
-        if v_ptr.dtype.element_ty != window_dtype:
-            v0, v1, v2, v3 = _round_quarters(v0, v1, v2, v3, window_dtype)
-        _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
-        _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
-        if to_pages:
-            page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
-            _clip_quantize_store(v0, v1, v2, v3, in_history, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
-                                 HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
     if STREAM != 1:
         # Keys: center and rotate in float32, round to the window dtype (what every region holds).
         if ROTATE == 2:
@@ -539,16 +529,26 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
         if to_pages:
             if ROTATE > 0:
                 # The dots leave the keys in their accumulator layout, where the quantizer's row sums cost about
-                # 2.4x the instructions and the kernel 239 registers instead of 152: read the rows just stored
+                # 2.4x the instructions and the kernel 239 registers instead of 154: read the rows just stored
                 # back instead (k_rot holds the window dtype, so they are the same values).
                 tl.debug_barrier()
                 k0, k1, k2, k3 = _load_window(k_rot_ptr, row_in, valid, D)
-            page, row, in_history = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+            page, row, stored = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
             if KEY_SHIFTS:
-                k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, in_history, h,
+                k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, stored, h,
                                                   window_dtype, HKV, D, S, P, SHIFT_BLOCK)
-            _clip_quantize_store(k0, k1, k2, k3, in_history, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
+            _clip_quantize_store(k0, k1, k2, k3, stored, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
                                  HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
+    if STREAM != 0:
+        v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
+        if v_ptr.dtype.element_ty != window_dtype:
+            v0, v1, v2, v3 = _round_quarters(v0, v1, v2, v3, window_dtype)
+        _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
+        _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
+        if to_pages:
+            page, row, stored = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+            _clip_quantize_store(v0, v1, v2, v3, stored, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
+                                 HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
 
 
 def lloyd_thresholds(inner: float | None) -> tuple[float, float]:
