@@ -356,7 +356,7 @@ def _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h, wind
 
 
 @triton.jit
-def _flush_block(b, block, h, VALUES: tl.constexpr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+def _flush_block(b, block, h, STREAM: tl.constexpr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
                  k_low, k_high, v_low, v_high,
                  HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
@@ -364,8 +364,8 @@ def _flush_block(b, block, h, VALUES: tl.constexpr, slots_ptr, cu_ptr, len_ptr, 
                  CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
                  KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr,
                  COMPILED: tl.constexpr):
-    """Block `block` of the ring tokens of (sequence b, KV head h) that age into the history this step: their
-    values (VALUES) or keys quantized into their pages (nothing for a block past them)."""
+    """Block `block` of the ring tokens of (sequence b, KV head h) that age into the history this step: their keys
+    (STREAM 0), values (1) or both (2) quantized into their pages (nothing for a block past them)."""
     C: tl.constexpr = R + P
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     first = _history_end(old, S, R, P)
@@ -375,17 +375,17 @@ def _flush_block(b, block, h, VALUES: tl.constexpr, slots_ptr, cu_ptr, len_ptr, 
         valid = pos < stop
         ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
         page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
-        if VALUES:
-            v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
-            _clip_quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
-                                 HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
-        else:
+        if STREAM != 1:
             k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
             if KEY_SHIFTS:
                 k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, valid, h,
                                                   ring_k_ptr.dtype.element_ty, HKV, D, S, P, SHIFT_BLOCK)
             _clip_quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
                                  HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
+        if STREAM != 0:
+            v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
+            _clip_quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
+                                 HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
 
 
 @triton.jit
@@ -399,11 +399,10 @@ def _flush_kernel(slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
                   V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True):
     """The flush alone (`_flush_block`), keys then values. COMPILED: compiled for a GPU (False in the CPU
     interpreter: no inline PTX)."""
-    for values in tl.static_range(2):
-        _flush_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), values == 1, slots_ptr, cu_ptr, len_ptr,
-                     bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr,
-                     ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P,
-                     S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
+    _flush_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), 2, slots_ptr, cu_ptr, len_ptr, bt_ptr,
+                 bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
+                 kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R,
+                 CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
 
 
 @triton.jit
@@ -467,13 +466,10 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     h = tl.program_id(2)
     if FLUSH_BLOCKS > 0:
         if block > 0:
-            for values in tl.static_range(2):
-                if STREAM == 2 or STREAM == values:
-                    _flush_block(b, block - 1, h, values == 1, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride,
-                                 num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr,
-                                 kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P,
-                                 S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD,
-                                 COMPILED)
+            _flush_block(b, block - 1, h, STREAM, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr,
+                         ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low,
+                         k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT,
+                         BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
             return
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
