@@ -375,6 +375,8 @@ def _flush_block(b, block, h, STREAM: tl.constexpr, slots_ptr, cu_ptr, len_ptr, 
         valid = pos < stop
         ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
         page, row, valid = _page_of(bt_ptr, bt_stride, slot, pos, valid, num_pages, S, P)
+        if STREAM != 0:
+            v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)  # first, as in `_write_kernel`
         if STREAM != 1:
             k0, k1, k2, k3 = _load_window(ring_k_ptr, ring_row, valid, D)
             if KEY_SHIFTS:
@@ -383,7 +385,6 @@ def _flush_block(b, block, h, STREAM: tl.constexpr, slots_ptr, cu_ptr, len_ptr, 
             _clip_quantize_store(k0, k1, k2, k3, valid, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
                                  HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
         if STREAM != 0:
-            v0, v1, v2, v3 = _load_window(ring_v_ptr, ring_row, valid, D)
             _clip_quantize_store(v0, v1, v2, v3, valid, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
                                  HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
 
@@ -493,6 +494,12 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
     to_pages = (first_pos < end_new) & (last_pos >= S)
     in_history = valid & (pos >= S) & (pos < end_new)
 
+    if STREAM != 0:
+        # Values are loaded first: in one program (STREAM 2) their load then overlaps the keys' rotation and
+        # stores instead of waiting behind them (a decode step's write is mostly that latency).
+        v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
+        if v_ptr.dtype.element_ty != window_dtype:
+            v0, v1, v2, v3 = _round_quarters(v0, v1, v2, v3, window_dtype)
     if STREAM != 1:
         # Keys: center and rotate in float32, round to the window dtype (what every region holds).
         if ROTATE == 2:
@@ -536,9 +543,6 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
             _clip_quantize_store(k0, k1, k2, k3, stored, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
                                  HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
     if STREAM != 0:
-        v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
-        if v_ptr.dtype.element_ty != window_dtype:
-            v0, v1, v2, v3 = _round_quarters(v0, v1, v2, v3, window_dtype)
         _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
         _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
         if to_pages:
