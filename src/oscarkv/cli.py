@@ -376,7 +376,8 @@ def cmd_bench_attention(args) -> int:
               f"{r['max_abs_error']:>8.1e}" + extra)
     w = results["write"]
     print(f"write path: {w['tokens']} tokens in {w['microseconds']:.0f} us = {w['tokens_per_s'] / 1e6:.1f} M tokens/s, "
-          f"{w['bandwidth_gbs']:.0f} GB/s ({100 * w['bandwidth_fraction']:.0f}% of copy bandwidth)"
+          f"{w['bandwidth_gbs']:.0f} GB/s ({100 * w['bandwidth_fraction']:.0f}% of copy bandwidth; CUDA graph), "
+          f"{w['eager_microseconds']:.0f} us launched eagerly from Python"
           + (f"; with Lloyd-Max levels {w['lloyd_microseconds']:.0f} us" if lloyd else ""))
     print("% copy BW: INT2 GB/s against the 2 GiB copy; copy us: a copy moving the bytes the kernel reads (half "
           "read, half written), timed the same way; % copy: copy us / INT2 us")
