@@ -522,6 +522,29 @@ def test_flush_moves_aged_ring_tokens_a_page_at_a_time():
             assert recent >= layout.recent_tokens
 
 
+def test_flush_launch_only_where_a_ring_token_ages_out():
+    """The host skips the flush launch of a longer step when its rows (stored, new per sequence) show that no
+    token stored in the ring before the step reaches the history: [history_end(old), old) and [S, history_end(old +
+    new)) do not meet. Without rows (a frozen static decode) it always launches."""
+    from oscarkv.kernels.triton_write import ages_out
+
+    layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)  # sink 16, recent 32, page 16
+
+    def rows(*old_new):
+        return SimpleNamespace(host_rows=tuple((slot, old, new) for slot, (old, new) in enumerate(old_new)))
+
+    assert not ages_out(layout, rows((0, 500)))  # a prompt into an empty cache goes straight to its pages
+    assert not ages_out(layout, rows((0, 500), (20, 10)))  # 30 tokens: still inside sink + recent
+    assert ages_out(layout, rows((0, 500), (60, 4)))  # 64 = 16 + 32 + 16: the ring's first page ages
+    assert not ages_out(layout, rows((64, 15)))  # 79: the next page is one token short
+    assert ages_out(layout, SimpleNamespace(host_rows=None))
+    for old in range(0, 90):
+        for new in range(0, 90):
+            ring_before = set(range(layout.history_end(old), old))
+            history_after = set(range(layout.sink_tokens, layout.history_end(old + new)))
+            assert ages_out(layout, rows((old, new))) == bool(ring_before & history_after), (old, new)
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("head_dim,group", [(96, 32), (128, 16), (64, 128)])
