@@ -584,7 +584,8 @@ def ages_out(layout, batch) -> bool:
 
 def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float, pieces=None,
                  merge: bool = True) -> None:
-    """Run flush then write on the GPU (or under TRITON_INTERPRET=1). Shapes as in `reference`;
+    """Run flush then write on the GPU (or under TRITON_INTERPRET=1); a longer step's flush launch only where a ring
+    token ages out (`ages_out`). Shapes as in `reference`;
     pieces: `ops.RotationPieces` to rotate bfloat16 keys by (ROTATE=2), else float32 dots.
 
     A step of at most one new token per sequence (decode) runs both in one launch: its new token
