@@ -37,7 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90, {args.block}-token blocks, {args.warps} warps; a {TOKENS}-token "
           f"prompt, {KV_HEADS} KV heads; the clip's loop counted {args.bisection_steps} times")
-    print("keys and values run as two launches (STREAM 0, 1); the floor adds both")
+    print("keys and values compiled apart (STREAM 0, 1), as the two branches of a prompt's one launch (STREAM 3, "
+          "whose registers are the larger of the two); the floor adds both")
     print("rotate  clip  stream  registers  instructions per warp (loop)  issue floor")
     for rotate, clip in ((2, True), (2, False), (0, True), (0, False)):
         floors = []

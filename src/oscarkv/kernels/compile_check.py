@@ -88,6 +88,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
 
     from . import (triton_attention, triton_decode_qk, triton_dense, triton_dequantize, triton_gemv, triton_norm,
                    triton_rotate, triton_write)
+    from .hardware import register_cap_supported
     from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
@@ -121,19 +122,17 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         # flush and write in one launch, keys and values in one program
         decode_write = dict(write, FLUSH_BLOCKS=-(-page // 16), STREAM=2)
         short_write = dict(write, FLUSH_BLOCKS=0, STREAM=2)  # a step of 2 to 63 tokens per sequence
-        prompt_keys, prompt_values = (dict(write, FLUSH_BLOCKS=0, STREAM=stream) for stream in (0, 1))
+        prompt = dict(write, FLUSH_BLOCKS=0, STREAM=3)  # keys and values in separate programs of one launch
         # rotation by bfloat16 pieces (bfloat16 keys, D <= 128) and by float32 dots (any other)
         rotations = (2, 1) if d <= 128 else (1,)
         unfused = dict(enable_fp_fusion=False)  # as launch_write runs them
+        capped = dict(unfused, **({"maxnreg": triton_write.PROMPT_WRITE_REGISTERS} if register_cap_supported() else {}))
         for rotate in rotations:
-            for block, step in ((16, decode_write), (16, short_write), (64, prompt_keys)):
+            for block, step, options in ((16, decode_write, unfused), (16, short_write, unfused), (64, prompt, capped)):
                 jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                             dict(step, ROTATE=rotate, CENTER=True, BLOCK_T=block), unfused))
+                             dict(step, ROTATE=rotate, CENTER=True, BLOCK_T=block), options))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(prompt_values, ROTATE=rotations[0], CENTER=True, BLOCK_T=64), unfused))
-        jobs.append((triton_write._write_kernel, WRITE_TYPES,
-                     dict(prompt_keys, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True),
-                     unfused))
+                     dict(prompt, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, KEY_SHIFTS=True), capped))
         jobs.append((triton_write._write_kernel, WRITE_TYPES,
                      dict(decode_write, ROTATE=0, CENTER=False, BLOCK_T=16), unfused))
         for shifted in (False, True):
@@ -142,9 +141,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         if key_bits == value_bits == 2:  # Lloyd–Max levels: prefill, decode history, prompt write, flush
             lloyd = dict(K_LLOYD=True, V_LLOYD=True)
             jobs += [attention(1, 0, 1, **lloyd), attention(17, 1, 4, **lloyd)]
-            jobs += [(triton_write._write_kernel, WRITE_TYPES,
-                      dict(step, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, **lloyd), unfused)
-                     for step in (prompt_keys, prompt_values)]
+            jobs.append((triton_write._write_kernel, WRITE_TYPES,
+                         dict(prompt, ROTATE=rotations[0], CENTER=True, BLOCK_T=64, **lloyd), capped))
             jobs.append((triton_write._flush_kernel, WRITE_TYPES, dict(write, BLOCK_T=16, **lloyd), unfused))
         # extend steps' dense keys and values (`kernels.extend`): keys with shifts, values at Lloyd-Max levels if INT2
         dense_kv = dict(HKV=hkv, D=d, NG=d // group, K_BITS=key_bits, V_BITS=value_bits, P=page, S=sink,

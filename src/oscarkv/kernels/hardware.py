@@ -28,6 +28,16 @@ def programmatic_launch_supported(device_index: int) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
+@functools.cache
+def register_cap_supported() -> bool:
+    """Whether this Triton takes a register cap per launch (`maxnreg`)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in CUDAOptions.__dataclass_fields__
+
+
 def overlaps_launches(x: torch.Tensor) -> bool:
     """Whether kernels on x's device use programmatic dependent launch (CUDA, Hopper or later)."""
     return x.device.type == "cuda" and programmatic_launch_supported(x.device.index or 0)

@@ -28,12 +28,11 @@ Lloyd–Max levels (`quant.format`) add one high-bit dot per code tile (`_lloyd_
 
 from __future__ import annotations
 
-import functools
 
 import triton
 import triton.language as tl
 
-from .hardware import multiprocessors as _multiprocessors, programmatic_launch_supported
+from .hardware import multiprocessors as _multiprocessors, programmatic_launch_supported, register_cap_supported
 from .triton_pdl import gdc_launch_dependents as _gdc_launch_dependents, gdc_wait as _gdc_wait
 from .triton_pdl import programmatic as _programmatic
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
@@ -1017,15 +1016,6 @@ def score_shift_terms(layer, q, scale: float):
     return terms
 
 
-@functools.cache
-def _maxnreg_supported() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "maxnreg" in CUDAOptions.__dataclass_fields__
-
-
 def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: int, num_splits: int,
                      workspace: tuple | None, block_m: int = 16, block_n: int = 64, num_warps: int | None = None,
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
@@ -1094,7 +1084,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         overlap if overlap is not None else programmatic_launch_supported(q.device.index or 0))
     if num_splits > 1 and separate_windows:
         ws = shape["WINDOW_SPLITS"]
-        registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and _maxnreg_supported() else {}
+        registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and register_cap_supported() else {}
         grouped = row_groups if batch.max_new == 1 and d >= 128 and row_groups * group <= block_m else 1
         history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
                    dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .hardware import register_cap_supported
+
 SCALE_FLOOR_REL = tl.constexpr(2.0**-15)  # = quant.format.ZERO_LIMIT_INV
 FP16_SMALLEST = tl.constexpr(2.0**-24)  # smallest float16 subnormal
 
@@ -451,7 +453,8 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                   K_LLOYD: tl.constexpr = False, V_LLOYD: tl.constexpr = False, FLUSH_BLOCKS: tl.constexpr = 0,
                   STREAM: tl.constexpr = 2):
     """One token block of KV head `program_id(2)`: its keys (STREAM 0), its values (STREAM 1), or both, one after
-    the other (STREAM 2).
+    the other (STREAM 2). STREAM 3: axis 2 runs over 2·HKV, the keys of head h at h and its values at HKV + h, so
+    one launch holds both streams in separate programs (`_write_block`).
 
     ROTATE: 0 none; 1 (k - μ_K)·R_K with float32 dots (tf32x3), R_K at rot_ptr; 2 bfloat16 keys by
     the pieces of R_K at pieces_ptr (`_rotate_by_pieces`). rot_head_stride is 0 for one R_K per
@@ -472,83 +475,118 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                          k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT,
                          BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
             return
+    if STREAM == 3:
+        if h < HKV:
+            _write_block(b, block, h, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr,
+                         mean_rot_ptr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
+                         kz_ptr, vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr,
+                         num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K,
+                         CLIP_V, SHIFT, ROTATE, CENTER, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, COMPILED, K_LLOYD, V_LLOYD,
+                         0)
+        else:
+            _write_block(b, block, h - HKV, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr,
+                         mean_rot_ptr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
+                         kz_ptr, vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr,
+                         num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K,
+                         CLIP_V, SHIFT, ROTATE, CENTER, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, COMPILED, K_LLOYD, V_LLOYD,
+                         1)
+    else:
+        _write_block(b, block, h, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr,
+                     mean_rot_ptr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr,
+                     vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
+                     k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, ROTATE,
+                     CENTER, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, COMPILED, K_LLOYD, V_LLOYD, STREAM)
+
+
+@triton.jit
+def _write_block(b, block, h, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr, mean_rot_ptr,
+                 slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                 kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                 sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
+                 k_low, k_high, v_low, v_high,
+                 HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                 P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                 CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, SHIFT: tl.constexpr,
+                 ROTATE: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
+                 KEY_SHIFTS: tl.constexpr, SHIFT_BLOCK: tl.constexpr, COMPILED: tl.constexpr,
+                 K_LLOYD: tl.constexpr, V_LLOYD: tl.constexpr, STREAM: tl.constexpr):
+    """Token block `block` of sequence b and KV head h (`_write_kernel`): keys (STREAM 0), values (1) or both (2)."""
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
-    if block * BLOCK_T >= count:
-        return
-    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid = t < count
-    pos = old + t
-    end_new = _history_end(old + count, S, R, P)
-    row_in = (start + t).to(tl.int64) * HKV + h  # row of the [T, Hkv, D] inputs, in units of D
-    window_dtype = ring_k_ptr.dtype.element_ty
-    in_sink = valid & (pos < S)
-    sink_row = (slot.to(tl.int64) * HKV + h) * S + pos
-    in_ring = valid & (pos >= end_new)
-    ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
-    # Straight into pages only for long prompts; decode tokens always land in the ring, and the
-    # quantizer (the clip bisection) is skipped for blocks with no history row.
-    first_pos = old + block * BLOCK_T
-    last_pos = old + tl.minimum(count, block * BLOCK_T + BLOCK_T) - 1
-    to_pages = (first_pos < end_new) & (last_pos >= S)
-    in_history = valid & (pos >= S) & (pos < end_new)
+    if block * BLOCK_T < count:
+        t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        valid = t < count
+        pos = old + t
+        end_new = _history_end(old + count, S, R, P)
+        row_in = (start + t).to(tl.int64) * HKV + h  # row of the [T, Hkv, D] inputs, in units of D
+        window_dtype = ring_k_ptr.dtype.element_ty
+        in_sink = valid & (pos < S)
+        sink_row = (slot.to(tl.int64) * HKV + h) * S + pos
+        in_ring = valid & (pos >= end_new)
+        ring_row = (slot.to(tl.int64) * HKV + h) * C + (pos - S) % C
+        # Straight into pages only for long prompts; decode tokens always land in the ring, and the
+        # quantizer (the clip bisection) is skipped for blocks with no history row.
+        first_pos = old + block * BLOCK_T
+        last_pos = old + tl.minimum(count, block * BLOCK_T + BLOCK_T) - 1
+        to_pages = (first_pos < end_new) & (last_pos >= S)
+        in_history = valid & (pos >= S) & (pos < end_new)
 
-    if STREAM != 0:
-        # Values are loaded first: in one program (STREAM 2) their load then overlaps the keys' rotation and
-        # stores instead of waiting behind them (a decode step's write is mostly that latency).
-        v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
-        if v_ptr.dtype.element_ty != window_dtype:
-            v0, v1, v2, v3 = _round_quarters(v0, v1, v2, v3, window_dtype)
-    if STREAM != 1:
-        # Keys: center and rotate in float32, round to the window dtype (what every region holds).
-        if ROTATE == 2:
-            cols = tl.arange(0, D)
-            x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
-            k0, k1, k2, k3 = _rotate_by_pieces(x, pieces_ptr + h * rot_head_stride, mean_rot_ptr, h, BLOCK_T, D,
-                                               CENTER, COMPILED)
-        elif ROTATE == 1:
-            cols = tl.arange(0, D)
-            x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            if CENTER:
-                x = x - tl.load(mean_ptr + h * D + cols)[None, :]
-            r_rows = rot_ptr + h * rot_head_stride + cols[:, None] * D + tl.arange(0, W)[None, :]
-            k0 = tl.dot(x, tl.load(r_rows), input_precision="tf32x3")
-            k1 = tl.dot(x, tl.load(r_rows + W), input_precision="tf32x3")
-            k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="tf32x3")
-            k3 = tl.dot(x, tl.load(r_rows + 3 * W), input_precision="tf32x3")
-        else:
-            k0, k1, k2, k3 = _load_window(k_ptr, row_in, valid, D)
-            if CENTER:
-                mean = mean_ptr + h * D + tl.arange(0, W)
-                k0 = k0 - tl.load(mean)[None, :]
-                k1 = k1 - tl.load(mean + W)[None, :]
-                k2 = k2 - tl.load(mean + 2 * W)[None, :]
-                k3 = k3 - tl.load(mean + 3 * W)[None, :]
-        k0, k1, k2, k3 = _round_quarters(k0, k1, k2, k3, window_dtype)
-        _store_window(k_rot_ptr, row_in, valid, k0, k1, k2, k3, D)
-        _store_window(sink_k_ptr, sink_row, in_sink, k0, k1, k2, k3, D)
-        _store_window(ring_k_ptr, ring_row, in_ring, k0, k1, k2, k3, D)
-        if to_pages:
-            if ROTATE > 0:
-                # The dots leave the keys in their accumulator layout, where the quantizer's row sums cost about
-                # 2.4x the instructions and the kernel 239 registers instead of 154: read the rows just stored
-                # back instead (k_rot holds the window dtype, so they are the same values).
-                tl.debug_barrier()
-                k0, k1, k2, k3 = _load_window(k_rot_ptr, row_in, valid, D)
-            page, row, stored = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
-            if KEY_SHIFTS:
-                k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, stored, h,
-                                                  window_dtype, HKV, D, S, P, SHIFT_BLOCK)
-            _clip_quantize_store(k0, k1, k2, k3, stored, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
-                                 HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
-    if STREAM != 0:
-        _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
-        _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
-        if to_pages:
-            page, row, stored = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
-            _clip_quantize_store(v0, v1, v2, v3, stored, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
-                                 HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
+        if STREAM != 0:
+            # Values are loaded first: in one program (STREAM 2) their load then overlaps the keys' rotation and
+            # stores instead of waiting behind them (a decode step's write is mostly that latency).
+            v0, v1, v2, v3 = _load_window(v_ptr, row_in, valid, D)
+            if v_ptr.dtype.element_ty != window_dtype:
+                v0, v1, v2, v3 = _round_quarters(v0, v1, v2, v3, window_dtype)
+        if STREAM != 1:
+            # Keys: center and rotate in float32, round to the window dtype (what every region holds).
+            if ROTATE == 2:
+                cols = tl.arange(0, D)
+                x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
+                k0, k1, k2, k3 = _rotate_by_pieces(x, pieces_ptr + h * rot_head_stride, mean_rot_ptr, h, BLOCK_T, D,
+                                                   CENTER, COMPILED)
+            elif ROTATE == 1:
+                cols = tl.arange(0, D)
+                x = tl.load(k_ptr + row_in[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                if CENTER:
+                    x = x - tl.load(mean_ptr + h * D + cols)[None, :]
+                r_rows = rot_ptr + h * rot_head_stride + cols[:, None] * D + tl.arange(0, W)[None, :]
+                k0 = tl.dot(x, tl.load(r_rows), input_precision="tf32x3")
+                k1 = tl.dot(x, tl.load(r_rows + W), input_precision="tf32x3")
+                k2 = tl.dot(x, tl.load(r_rows + 2 * W), input_precision="tf32x3")
+                k3 = tl.dot(x, tl.load(r_rows + 3 * W), input_precision="tf32x3")
+            else:
+                k0, k1, k2, k3 = _load_window(k_ptr, row_in, valid, D)
+                if CENTER:
+                    mean = mean_ptr + h * D + tl.arange(0, W)
+                    k0 = k0 - tl.load(mean)[None, :]
+                    k1 = k1 - tl.load(mean + W)[None, :]
+                    k2 = k2 - tl.load(mean + 2 * W)[None, :]
+                    k3 = k3 - tl.load(mean + 3 * W)[None, :]
+            k0, k1, k2, k3 = _round_quarters(k0, k1, k2, k3, window_dtype)
+            _store_window(k_rot_ptr, row_in, valid, k0, k1, k2, k3, D)
+            _store_window(sink_k_ptr, sink_row, in_sink, k0, k1, k2, k3, D)
+            _store_window(ring_k_ptr, ring_row, in_ring, k0, k1, k2, k3, D)
+            if to_pages:
+                if ROTATE > 0:
+                    # The dots leave the keys in their accumulator layout, where the quantizer's row sums cost about
+                    # 2.4x the instructions and the kernel 239 registers instead of 154: read the rows just stored
+                    # back instead (k_rot holds the window dtype, so they are the same values).
+                    tl.debug_barrier()
+                    k0, k1, k2, k3 = _load_window(k_rot_ptr, row_in, valid, D)
+                page, row, stored = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+                if KEY_SHIFTS:
+                    k0, k1, k2, k3 = _minus_key_shift(k0, k1, k2, k3, kshift_ptr, num_blocks, pos, stored, h,
+                                                      window_dtype, HKV, D, S, P, SHIFT_BLOCK)
+                _clip_quantize_store(k0, k1, k2, k3, stored, page, row, h, kc_ptr, ks_ptr, kz_ptr, k_low, k_high,
+                                     HKV, P, D, NG, K_BITS, CLIP_K, SHIFT, K_LLOYD, COMPILED)
+        if STREAM != 0:
+            _store_window(sink_v_ptr, sink_row, in_sink, v0, v1, v2, v3, D)
+            _store_window(ring_v_ptr, ring_row, in_ring, v0, v1, v2, v3, D)
+            if to_pages:
+                page, row, stored = _page_of(bt_ptr, bt_stride, slot, pos, in_history, num_pages, S, P)
+                _clip_quantize_store(v0, v1, v2, v3, stored, page, row, h, vc_ptr, vs_ptr, vz_ptr, v_low, v_high,
+                                     HKV, P, D, NG, V_BITS, CLIP_V, SHIFT, V_LLOYD, COMPILED)
 
 
 def lloyd_thresholds(inner: float | None) -> tuple[float, float]:
@@ -571,6 +609,13 @@ def pattern_shift(dtype) -> int:
     import torch
 
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
+
+
+# Register cap of a prompt's write launch (STREAM 3), whose keys' and values' programs share one kernel and so one
+# register count: 157 with Triton 3.6 for sm_90, under the cap, so three programs share a multiprocessor. A guard
+# for compilers that allocate more: a prototype of this launch took 182 registers and ran 227 µs for a 32K-token
+# prompt against 192 µs capped at 168 (docs/kernels.md, "Write: keys and values in separate programs").
+PROMPT_WRITE_REGISTERS = 168
 
 
 def ages_out(layout, batch) -> bool:
@@ -631,13 +676,22 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     # loading R_K once. A sweep on the H100 (32K tokens, 8 KV heads, D = 128, 2 to 8 warps, blocks of
     # 16 to 128 tokens) found 64 tokens with 4 warps fastest, 2.0x faster than 16; 32 tokens spill.
     # Short steps (decode) keep blocks of 16 for latency.
-    # Prompts run keys and values as two launches (STREAM 0, then 1): 154 and 128 registers instead of 238 for
-    # both in one program, so 3 and 4 programs share a multiprocessor (docs/kernels.md, "Write: keys and values in
-    # separate programs"). Other steps keep both in one program (STREAM 2): a decode step's write is mostly the
-    # rotation of one key per head, and twice the programs made the whole-model step slower.
+    # Prompts run keys and values in separate programs of one launch (STREAM 3, capped at PROMPT_WRITE_REGISTERS): a
+    # program for both streams needs 238 registers (two programs per multiprocessor), one for either 157 (three).
+    # On the H100 one launch took 181.3-182.0 us for a 32K-token prompt against 188.1-189.3 us for two (STREAM 0,
+    # then 1; docs/kernels.md), which a Triton without register caps still takes. Other steps keep both streams in
+    # one program (STREAM 2): a decode step's write is mostly the rotation of one key per head, and twice the
+    # programs made the whole-model step slower.
     write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens
     write_blocks = triton.cdiv(batch.max_new, write_block)
-    streams = (0, 1) if write_block == 64 else (2,)
+    if write_block != 64:
+        launches = ((2, lay.kv_heads, {}),)
+    elif interpreting():
+        launches = ((3, 2 * lay.kv_heads, {}),)
+    elif register_cap_supported():
+        launches = ((3, 2 * lay.kv_heads, dict(maxnreg=PROMPT_WRITE_REGISTERS)),)
+    else:
+        launches = ((0, lay.kv_heads, {}), (1, lay.kv_heads, {}))
     if pieces is not None:
         rotate, stride = 2, pieces.head_stride
         mean_rotated = pieces.mean_rotated if pieces.mean_rotated is not None else k
@@ -645,8 +699,8 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
         rotate = 0 if rotation is None else 1
         stride = d * d if rotation is not None and rotation.dim() == 3 else 0
         mean_rotated = k
-    grid = (b, write_blocks + (flush_blocks if merged else 0), lay.kv_heads)
-    for stream in streams:
+    for stream, heads, registers in launches:
+        grid = (b, write_blocks + (flush_blocks if merged else 0), heads)
         _write_kernel[grid](k, v, k_rot, rotation if rotation is not None else k, stride,
                             mean if mean is not None else k,
                             pieces.pieces if pieces is not None else k, mean_rotated,
@@ -654,4 +708,4 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                             *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
                             ROTATE=rotate, CENTER=mean is not None,
                             FLUSH_BLOCKS=flush_blocks if merged else 0, STREAM=stream,
-                            **dict(common, BLOCK_T=write_block))
+                            **dict(common, BLOCK_T=write_block), **registers)
