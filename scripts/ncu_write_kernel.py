@@ -2,11 +2,12 @@
 heads, D 128, group 128, INT2, bfloat16 keys rotated by R_K's pieces, clip 0.96 / 0.92), for Nsight Compute
 (docs/data/ncu-write-h100.txt).
 
-    ncu --kernel-name regex:_write_kernel --launch-skip 4 --launch-count 2 --set full \\
+    ncu --kernel-name regex:_write_kernel --launch-skip 2 --launch-count 1 --set full \\
         python scripts/ncu_write_kernel.py [TOKENS]
 
-Each write is a flush launch (nothing to move in an empty cache) and two write launches, the keys' and the values'
-(`launch_write`); the command profiles the third write's."""
+Each write is one launch whose programs hold the keys or the values (`launch_write`, STREAM 3; an empty cache needs
+no flush launch); the command profiles the third. (docs/data/ncu-write-h100.txt was taken when a write was a flush
+launch and two write launches, with --launch-skip 4 --launch-count 2.)"""
 import sys
 
 import torch

@@ -39,7 +39,7 @@ def main() -> None:
 
     def time_us(block: int, warps: int, rotate: int, clip: bool) -> float:
         """rotate: 2 bfloat16 pieces (what bfloat16 keys take), 1 float32 (tf32x3) dots, 0 none."""
-        grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)  # keys, then values: two launches, as launch_write
+        grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)  # keys, then values: two launches (launch_write since takes one)
         constants = dict(HKV=KV_HEADS, D=HEAD_DIM, NG=layout.groups, K_BITS=layout.key_bits,
                          V_BITS=layout.value_bits, P=layout.page_size,
                          S=layout.sink_tokens, R=layout.recent_tokens, CLIP_K=clip_k if clip else -1,

@@ -2,8 +2,9 @@
 
 A 32K-token prompt into an empty paged cache (8 KV heads, D = 128, group 128, INT2, bfloat16 keys rotated by R_K's
 pieces, clip 0.96 / 0.92), as in `oscarkv bench attention`'s write row. `launch_write` runs a prompt's keys and
-values as two launches (STREAM 0 and 1); one launch with both in one program (STREAM 2, as short steps take) must
-store the same bytes, and is timed with and without a 168-register cap; then either stream in other block sizes.
+values as separate programs of one launch (STREAM 3, 2·Hkv programs per block, capped at 168 registers); two launches
+(STREAM 0 and 1) and one launch with both in one program (STREAM 2, as short steps take) must store the same bytes.
+All are timed, some with and without the cap; then either stream in other block sizes.
 
     PYTHONPATH=src python scripts/probe_write_streams.py
 """
@@ -31,7 +32,7 @@ def main() -> None:
     def launch(streams, maxnreg=None, block=64, warps=4):
         extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
         for stream in streams:
-            grid = (1, triton.cdiv(TOKENS, block), KV_HEADS)
+            grid = (1, triton.cdiv(TOKENS, block), 2 * KV_HEADS if stream == 3 else KV_HEADS)
             triton_write._write_kernel[grid](
                 k, v, k_rot, rotation, 0, mean, pieces.pieces, pieces.mean_rotated, batch.slots, batch.cu_new,
                 batch.lengths, batch.block_table, batch.block_table.stride(0), layer.num_pages, *pages,
@@ -47,13 +48,16 @@ def main() -> None:
         launch(*config)
         return [t.clone() for t in stored]
 
-    shipped = outputs((0, 1))
-    print("one launch (STREAM 2) stores the same bytes as two:", all(torch.equal(a, b) for a, b in
-                                                                      zip(shipped, outputs((2,)))))
+    shipped = outputs((3,), triton_write.PROMPT_WRITE_REGISTERS)
+    for name, config in (("two launches (STREAM 0, 1)", ((0, 1),)), ("one program for both (STREAM 2)", ((2,),))):
+        print(f"{name} stores the same bytes as the shipped launch:",
+              all(torch.equal(a, b) for a, b in zip(shipped, outputs(*config))))
 
     configs = {"keys launch (STREAM 0)": ((0,),), "values launch (STREAM 1)": ((1,),),
-               "both, two launches (shipped)": ((0, 1),), "both, one launch (STREAM 2)": ((2,),),
-               "both, one launch, 168 registers": ((2,), 168),
+               "both, one launch by program (shipped)": ((3,), triton_write.PROMPT_WRITE_REGISTERS),
+               "both, one launch by program, no cap": ((3,),),
+               "both, two launches": ((0, 1),), "both, one program (STREAM 2)": ((2,),),
+               "both, one program, 168 registers": ((2,), 168),
                "keys, 128-token blocks, 8 warps": ((0,), None, 128, 8),
                "keys, 32-token blocks, 2 warps": ((0,), None, 32, 2),
                "values, 128-token blocks, 8 warps": ((1,), None, 128, 8)}
