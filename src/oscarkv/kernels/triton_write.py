@@ -476,26 +476,20 @@ def _write_kernel(k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, p
                          BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
             return
     if STREAM == 3:
-        if h < HKV:
-            _write_block(b, block, h, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr,
-                         mean_rot_ptr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
-                         kz_ptr, vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr,
-                         num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K,
-                         CLIP_V, SHIFT, ROTATE, CENTER, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, COMPILED, K_LLOYD, V_LLOYD,
-                         0)
-        else:
+        if h >= HKV:  # a values program
             _write_block(b, block, h - HKV, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr,
                          mean_rot_ptr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
                          kz_ptr, vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr,
                          num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K,
                          CLIP_V, SHIFT, ROTATE, CENTER, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, COMPILED, K_LLOYD, V_LLOYD,
                          1)
-    else:
-        _write_block(b, block, h, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr,
-                     mean_rot_ptr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr,
-                     vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks,
-                     k_low, k_high, v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, ROTATE,
-                     CENTER, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, COMPILED, K_LLOYD, V_LLOYD, STREAM)
+            return
+    OWN_STREAM: tl.constexpr = 0 if STREAM == 3 else STREAM  # STREAM 3's keys programs
+    _write_block(b, block, h, k_ptr, v_ptr, k_rot_ptr, rot_ptr, rot_head_stride, mean_ptr, pieces_ptr, mean_rot_ptr,
+                 slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr,
+                 vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high, v_low,
+                 v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, ROTATE, CENTER, BLOCK_T,
+                 KEY_SHIFTS, SHIFT_BLOCK, COMPILED, K_LLOYD, V_LLOYD, OWN_STREAM)
 
 
 @triton.jit
