@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscarkv.cache.paged import CacheFullError, PagedKVCache, PagedLayout
+from oscarkv.cache.paged import CacheFullError, PagedKVCache, PagedLayout, StepBatch
 from oscarkv.config import CacheConfig
 from oscarkv.errors import OscarError
 from oscarkv.kernels.ops import (attend_step, check_block_table, choose_row_groups, resolve_backend, rotation_pieces,
@@ -523,26 +523,21 @@ def test_flush_moves_aged_ring_tokens_a_page_at_a_time():
 
 
 def test_flush_launch_only_where_a_ring_token_ages_out():
-    """The host skips the flush launch of a longer step when its rows (stored, new per sequence) show that no
-    token stored in the ring before the step reaches the history: [history_end(old), old) and [S, history_end(old +
-    new)) do not meet. Without rows (a frozen static decode) it always launches."""
-    from oscarkv.kernels.triton_write import ages_out
-
+    """The host skips the flush launch of a longer step when no sequence's step moves a token stored in the ring
+    before it into the history: [history_end(old), old) and [S, history_end(old + new)) do not meet. The step
+    knows it from the host's lengths; a frozen static decode does not, and always flushes."""
     layout = PagedLayout(kv_heads=1, head_dim=64, group_size=64, **SMALL)  # sink 16, recent 32, page 16
-
-    def rows(*old_new):
-        return SimpleNamespace(host_rows=tuple((slot, old, new) for slot, (old, new) in enumerate(old_new)))
-
-    assert not ages_out(layout, rows((0, 500)))  # a prompt into an empty cache goes straight to its pages
-    assert not ages_out(layout, rows((0, 500), (20, 10)))  # 30 tokens: still inside sink + recent
-    assert ages_out(layout, rows((0, 500), (60, 4)))  # 64 = 16 + 32 + 16: the ring's first page ages
-    assert not ages_out(layout, rows((64, 15)))  # 79: the next page is one token short
-    assert ages_out(layout, SimpleNamespace(host_rows=None))
     for old in range(0, 90):
         for new in range(0, 90):
             ring_before = set(range(layout.history_end(old), old))
             history_after = set(range(layout.sink_tokens, layout.history_end(old + new)))
-            assert ages_out(layout, rows((old, new))) == bool(ring_before & history_after), (old, new)
+            assert layout.ages_out(old, new) == bool(ring_before & history_after), (old, new)
+    cache = PagedKVCache([layout], num_pages=32, max_slots=3, max_context=512, device="cpu")
+    first, second = cache.open_slot(), cache.open_slot()
+    assert not cache.step([first, second], [500, 30]).ages_out  # prompts into an empty cache go straight to pages
+    assert not cache.step([first, second], [1, 0]).ages_out  # 30 tokens: still inside sink + recent
+    assert cache.step([first, second], [1, 34]).ages_out  # 64 = 16 + 32 + 16: the ring's first page ages
+    assert StepBatch(*[torch.zeros(1, dtype=torch.int32)] * 3, 1, torch.zeros(1, 1, dtype=torch.int32)).ages_out
 
 
 # -- bad input ------------------------------------------------------------------------------------

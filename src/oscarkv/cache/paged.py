@@ -96,6 +96,11 @@ class PagedLayout:
         full = max(0, length - self.sink_tokens - self.recent_tokens) // self.page_size
         return self.sink_tokens + full * self.page_size
 
+    def ages_out(self, stored: int, new: int) -> bool:
+        """Whether a step of `new` tokens after `stored` moves a token from the ring into the history: whether
+        [history_end(stored), stored) and [sink, history_end(stored + new)) meet (the flush then has work)."""
+        return min(stored, self.history_end(stored + new)) > self.history_end(stored)
+
     def pages_needed(self, length: int) -> int:
         return (self.history_end(length) - self.sink_tokens) // self.page_size
 
@@ -218,7 +223,9 @@ class StepBatch:
     already stored before this step; max_new: host int, the largest count of new tokens;
     fresh: host bool, every sequence of the step starts empty (no history to read);
     host_rows: (slot, stored, new) per sequence as the host knew them when the step was made (None
-    where the device advances the lengths itself: a frozen static decode).
+    where the device advances the lengths itself: a frozen static decode);
+    ages_out: host bool, some sequence's step moves a token from the ring into the history
+    (`PagedLayout.ages_out`; True where the host does not know).
     """
 
     slots: torch.Tensor
@@ -228,6 +235,7 @@ class StepBatch:
     block_table: torch.Tensor  # int32 [max_slots, max_pages_per_slot]
     fresh: bool = False
     host_rows: tuple[tuple[int, int, int], ...] | None = None
+    ages_out: bool = True
 
     @property
     def batch(self) -> int:
@@ -331,7 +339,8 @@ class PagedKVCache:
         slots_d, cu_d, lengths_d = (packed[s:s + len(p)] for s, p in zip(starts, parts))
         return StepBatch(slots_d, cu_d, lengths_d, max(new_tokens, default=0),
                          self.block_table, fresh=not any(lengths),
-                         host_rows=tuple(zip(slots, lengths, new_tokens)))
+                         host_rows=tuple(zip(slots, lengths, new_tokens)),
+                         ages_out=any(self.layout.ages_out(old, n) for old, n in zip(lengths, new_tokens)))
 
     def advance(self, slots: list[int], new_tokens: list[int]) -> None:
         """Host-side lengths after a step (or, for a static decode, after all its steps) has written."""

@@ -612,19 +612,10 @@ def pattern_shift(dtype) -> int:
 PROMPT_WRITE_REGISTERS = 168
 
 
-def ages_out(layout, batch) -> bool:
-    """Whether a step may age ring tokens into the history, i.e. the flush launch has work: True unless the host
-    knows every sequence's stored and new tokens (`StepBatch.host_rows`) and none of them moves a token (a prompt
-    into an empty cache never does)."""
-    if batch.host_rows is None:
-        return True
-    return any(min(old, layout.history_end(old + new)) > layout.history_end(old) for _, old, new in batch.host_rows)
-
-
 def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float, pieces=None,
                  merge: bool = True) -> None:
     """Run flush then write on the GPU (or under TRITON_INTERPRET=1); a longer step's flush launch only where a ring
-    token ages out (`ages_out`). Shapes as in `reference`;
+    token ages out (`StepBatch.ages_out`). Shapes as in `reference`;
     pieces: `ops.RotationPieces` to rotate bfloat16 keys by (ROTATE=2), else float32 dots.
 
     A step of at most one new token per sequence (decode) runs both in one launch: its new token
@@ -660,7 +651,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     # A step of one token ages at most one page out of the ring; a longer one up to the whole ring.
     flush_blocks = triton.cdiv(lay.page_size if merged else lay.ring_capacity, block_tokens)
     if not merged:
-        if ages_out(lay, batch):
+        if batch.ages_out:
             _flush_kernel[(b, flush_blocks, lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
                                                            layer.num_pages, *pages, layer.ring_k, layer.ring_v, *tail,
                                                            **common)
