@@ -62,7 +62,7 @@ class WriteResult:
     bandwidth_fraction: float
     lloyd_microseconds: float | None = None  # the same write with Lloyd–Max levels (`inner`)
     # The same write launched from Python at every call (no CUDA graph), as an eager prefill runs it: where the
-    # host's launches (flush, keys, values) take longer than the GPU's work, this is the host's time.
+    # host's launches take longer than the GPU's work, this is the host's time.
     eager_microseconds: float | None = None
 
 
