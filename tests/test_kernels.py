@@ -463,6 +463,57 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     assert ops.window_split_count(layer, 32, 1, 32, 2, 8192, torch.device("cpu")) == 1
 
 
+def test_history_registers_capped_where_four_warp_windows_need_room(monkeypatch):
+    """On an H100's 132 multiprocessors (Qwen3 shapes): a full wave of one-page history programs (8 per
+    multiprocessor) is capped at 168 registers so that a four-warp window program fits beside them; half a
+    wave, two-page steps, one-warp windows, several waves and extend steps are not capped."""
+    import oscarkv.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(ops, "register_cap_supported", lambda: True)
+    layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
+    cpu = torch.device("cpu")
+
+    def cap(batch, context, max_new=1):
+        splits = ops.choose_splits(layer, batch, max_new, 32, context, cpu)
+        plan = ops.window_plan(layer, batch, max_new, 32, splits, context, cpu)
+        groups = ops.choose_row_groups(layer, max_new, 32, splits, plan.splits, context)
+        return ops.history_registers(layer, batch, max_new, 32, splits, plan, groups, cpu)
+
+    capped = ops.HISTORY_REGISTERS_BESIDE_WINDOWS
+    assert capped * 32 * (ops.PROGRAMS_PER_MULTIPROCESSOR + 4) <= 65536  # 8 history + one four-warp program
+    for batch, context in ((1, 65536), (1, 100000), (1, 131072), (4, 32768), (8, 32768), (32, 8192), (64, 4096)):
+        assert cap(batch, context) == capped, (batch, context)
+    # half a wave (1x8K, 1x32K), one-warp windows and two pages per step (16x32K, 32x32K), two waves
+    # (81x32K: 20 programs per multiprocessor), extend steps (several query blocks)
+    for batch, context, new in ((1, 8192, 1), (1, 32768, 1), (16, 32768, 1), (32, 32768, 1), (81, 32768, 1),
+                                (1, 131072, 64)):
+        assert cap(batch, context, new) is None, (batch, context, new)
+    full = ops.choose_splits(layer, 1, 1, 32, 131072, cpu)
+    one_warp = ops.WindowPlan(4, warps=1, block_n=16)
+    assert ops.history_registers(layer, 1, 1, 32, full, one_warp, 1, cpu) is None
+    assert ops.history_registers(layer, 1, 1, 32, full, ops.WindowPlan(4), 2, cpu) is None
+    monkeypatch.setattr(ops, "register_cap_supported", lambda: False)  # a Triton without register caps
+    assert cap(1, 131072) is None
+
+
+def test_decode_with_capped_history_registers_matches_reference(monkeypatch):
+    """The history launch under the register cap (on the GPU a compile with maxnreg=168) gives the
+    reference's attention; four-warp window programs beside it."""
+    import oscarkv.kernels.ops as ops
+
+    seen = []
+
+    def always(*args, **kwargs):
+        seen.append(ops.HISTORY_REGISTERS_BESIDE_WINDOWS)
+        return ops.HISTORY_REGISTERS_BESIDE_WINDOWS
+
+    monkeypatch.setattr(ops, "history_registers", always)
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
+    _drive(layout, 8, [[180, 100, 47], [1, 1, 1], [1, 1, 0]], num_splits=6, window_splits=2, extend="dequantize")
+    assert seen
+
+
 def test_row_groups_only_for_long_decode_splits():
     layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
     # arguments: max_new, query_heads, splits, window splits, context

@@ -89,7 +89,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
     from . import (triton_attention, triton_decode_qk, triton_dense, triton_dequantize, triton_gemv, triton_norm,
                    triton_rotate, triton_write)
     from .hardware import register_cap_supported
-    from .ops import choose_splits  # noqa: F401  (the dispatch imports cleanly too)
+    from .ops import HISTORY_REGISTERS_BESIDE_WINDOWS, choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
     count = 0
     for d, group, key_bits, value_bits, hq, hkv, page, sink, recent in configs:
@@ -117,6 +117,9 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             jobs.append(attention(17, 2, 1, warps=1, block_n=16))
         if d >= 128:  # decode history with two pages per softmax step (`ops.choose_row_groups`)
             jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
+        if register_cap_supported():  # history beside four-warp window programs (`ops.history_registers`)
+            kernel, types, constants, options = attention(17, 1, 4)
+            jobs.append((kernel, types, constants, dict(options, maxnreg=HISTORY_REGISTERS_BESIDE_WINDOWS)))
         write = dict(shape, HKV=hkv, CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=False,
                      SHIFT_BLOCK=1024, COMPILED=True)
         # flush and write in one launch, keys and values in one program

@@ -19,6 +19,7 @@ from ..errors import OscarError
 from . import reference
 from .extend import extend_attention, takes_dequantized_extend
 from .hardware import multiprocessors as _multiprocessors
+from .hardware import register_cap_supported
 
 BACKENDS = ("auto", "triton", "torch")
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -291,7 +292,9 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
         history = -(-2 * PROGRAMS_PER_MULTIPROCESSOR * sms // programs)
     # Splits of fewer than MIN_PAGES_PER_SPLIT pages cost their programs' fixed start and end for little
     # reading; down to half a wave, fewer and longer splits are faster (1x8K 14.5 -> 11.3 µs with 63
-    # splits instead of 127; fewer still is slower: 31 splits 22.2 µs).
+    # splits instead of 127; fewer still is slower: 31 splits 22.2 µs). With the history's registers capped
+    # (`history_registers`), a full wave at 1x30K was faster alone (16.7 against 18.5 µs) but not in a whole
+    # Qwen3-4B step (3.94-3.95 against 3.91-3.92 ms), so the rule stays.
     history = min(history, max(tokens // layer.layout.page_size // MIN_PAGES_PER_SPLIT, history // 2))
     history = max(1, min(history, tokens // 64, MAX_HISTORY_SPLITS))
     if _one_warp_windows(layer, programs, history, max_context, sms):
@@ -338,6 +341,37 @@ def choose_row_groups(layer: PagedLayer, max_new: int, query_heads: int, num_spl
     if max_new != 1 or lay.head_dim < 128 or -(-pages // history_splits) < ROW_GROUP_MIN_PAGES:
         return 1
     return max(1, min(16 // group, MAX_ROW_GROUPS))
+
+
+# Registers per thread of decode history programs that leave room for a four-warp window program beside them
+# on each multiprocessor (`history_registers`): 8 x 168 x 32 + 4 x 32 x 168 = 64,512 of the 65,536.
+HISTORY_REGISTERS_BESIDE_WINDOWS = 168
+UNCAPPED_HISTORY_PROGRAMS_BESIDE_WINDOWS = 6  # uncapped (about 206 registers), at most this many leave room
+
+
+def history_registers(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
+                      plan: WindowPlan, row_groups: int, device: torch.device,
+                      block_m: int | None = None) -> int | None:
+    """Register cap of a decode step's history launch (None: the compiler's choice, about 206 a thread).
+
+    The four-warp window programs (`window_plan`) need 4 x 32 x 168 registers. Next to more than
+    UNCAPPED_HISTORY_PROGRAMS_BESIDE_WINDOWS uncapped one-warp history programs per multiprocessor they do not
+    fit, and run only as history programs end, in the step's tail. Capped at HISTORY_REGISTERS_BESIDE_WINDOWS,
+    the one resident wave of `choose_splits` (PROGRAMS_PER_MULTIPROCESSOR) leaves room for one. One page per
+    softmax step only (the two-page loop takes 211 registers); one-warp window programs fit anyway; None
+    where this Triton takes no register cap. H100, Qwen3 shapes, one layer, uncapped -> capped, same process
+    (data/history-registers-h100.txt): 1x64K 30.9 -> 27.4 µs, 1x100K 39.0 -> 36.1, 1x128K 42.9 -> 41.6,
+    4x32K 44.9 -> 43.2, 8x32K 75.1 -> 73.5, 32x8K 90.2 -> 88.7, 64x4K 111.4 -> 107.1; a whole Qwen3-4B step
+    at 1x100K 4.70 -> 4.50 ms. With half a wave (1x8K, 1x32K: 4 programs per multiprocessor) the cap was
+    0.5-4% slower (H200) and is not taken."""
+    m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads, block_m)
+    if m_blocks > 1 or row_groups > 1 or plan.warps != 4 or not 0 < plan.splits < num_splits:
+        return None
+    per_multiprocessor = -(-programs * (num_splits - plan.splits) // _multiprocessor_count(device))
+    if (UNCAPPED_HISTORY_PROGRAMS_BESIDE_WINDOWS < per_multiprocessor <= PROGRAMS_PER_MULTIPROCESSOR
+            and register_cap_supported()):
+        return HISTORY_REGISTERS_BESIDE_WINDOWS
+    return None
 
 
 def _check_rotation(rotation: torch.Tensor | None, query_heads: int, d: int) -> None:
@@ -429,7 +463,8 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     num_splits / out / workspace: fix them (with validate=False) for a CUDA-graph-captured step.
     window_splits: how many of the splits share the BF16 windows, as four-warp programs, or a `WindowPlan`
     (None: `window_plan`).
-    row_groups: history pages per softmax step in decode (None: `choose_row_groups`).
+    row_groups: history pages per softmax step in decode (None: `choose_row_groups`). The history launch's
+    register cap follows from the plan (`history_registers`).
     extend: how the Triton backend runs a step of several new tokens per sequence: "fused" (the attention
     kernel), "dequantize" (`extend.extend_attention`: the history dequantized once, then SDPA), or "auto"
     (`takes_dequantized_extend`). Decode steps (one new token per sequence at most) always run the kernel.
@@ -465,8 +500,10 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
         plan = window_splits if isinstance(window_splits, WindowPlan) else WindowPlan(window_splits)
     if row_groups is None:
         row_groups = choose_row_groups(layer, batch.max_new, q.shape[1], num_splits, plan.splits, context)
+    registers = history_registers(layer, batch.batch, batch.max_new, q.shape[1], num_splits, plan, row_groups,
+                                  q.device, block_m)
     launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=plan.splits,
-                     row_groups=row_groups, window_warps=plan.warps, window_block_n=plan.block_n,
+                     row_groups=row_groups, window_warps=plan.warps, window_block_n=plan.block_n, maxnreg=registers,
                      combine_d_block=min(COMBINE_CHANNELS, lay.head_dim), block_m=block_m)
     return out
 
