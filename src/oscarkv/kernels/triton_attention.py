@@ -1028,9 +1028,10 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     that the history programs get their own small footprint: num_warps (None: one warp when a
     program's query rows fit one block and there are at least four programs per multiprocessor,
     else four), num_stages of load pipelining, and an optional register cap `maxnreg` (None: the
-    compiler's choice, about 206 registers, 9 one-warp programs per multiprocessor; `ops.history_registers`
-    takes 168 where four-warp window programs need room beside a full wave of history programs). Without splits (prefill: `choose_splits` gives decode at least two)
-    one launch does everything with two stages.
+    compiler's choice, about 206 registers, 9 one-warp programs per multiprocessor;
+    `ops.history_registers` takes 168 where four-warp window programs need room beside a full wave of
+    history programs). Without splits (prefill: `choose_splits` gives decode at least two) one launch
+    does everything with two stages.
 
     overlap (None: where `programmatic_launch_supported`): the three decode launches (history
     splits, window splits, combine; `window_first` swaps the first two) overlap by
