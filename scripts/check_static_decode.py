@@ -51,12 +51,15 @@ def step_ms(model, prompt, new: int, graphs: bool) -> float:
     return 1e3 * (time.perf_counter() - started) / new
 
 
-def ablation_arguments() -> argparse.Namespace:
-    """The options of the ablation probes (scripts/probe_*_ablation.py): model, batch-1 contexts, batch."""
+def ablation_arguments(**extra: str) -> argparse.Namespace:
+    """The options of the ablation probes (scripts/probe_*_ablation.py): model, batch-1 contexts, batch, and
+    string options named in `extra` with their defaults."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="random:qwen3-4b")
     parser.add_argument("--contexts", default="100000,30000")
     parser.add_argument("--batch", type=int, default=1)
+    for name, default in extra.items():
+        parser.add_argument(f"--{name}", default=default)
     return parser.parse_args()
 
 

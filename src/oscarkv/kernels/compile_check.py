@@ -166,10 +166,11 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))
+        rows, columns, warps = triton_decode_qk.launch_plan(1, d)  # batch 1
         jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
                      dict(HQ=hq, HKV=hkv, D=d, ROTATE=True, PER_HEAD=False, ROTATE_KEYS=True, CENTER_KEYS=True,
-                          HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=1, BLOCK_N=min(d, 32), OVERLAP=pdl),
-                     dict(num_warps=4)))
+                          HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns, OVERLAP=pdl),
+                     dict(num_warps=warps)))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

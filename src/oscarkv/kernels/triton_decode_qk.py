@@ -32,6 +32,20 @@ from .triton_write import _round_to
 BLOCK_ROWS = 16  # the smallest M of a dot; a decode step has one row per sequence
 
 
+def launch_plan(rows: int, d: int) -> tuple[int, int, int]:
+    """(rows per program, R_K columns per program, warps) of a step with `rows` rows and head_dim d.
+
+    One row (batch 1) with D >= 128 takes 16 columns in one warp: its norm and broadcast sums then stay inside
+    the warp, with no shared-memory reductions. On the H100 that took the whole Qwen3-4B step at 1×100K from
+    4.48–4.51 to 4.43–4.44 ms against 32 columns in four warps; 8 columns in one warp, 16 or 8 in two, and 32
+    in one were between or slower. At D = 64 (SmolLM2, 1×4K) it was 1% slower, within the noise, and one row
+    keeps 32 columns in four warps there (docs/data/decode-qk-plan-h100.txt). More rows take a 16-row dot in
+    four warps."""
+    if rows == 1:
+        return (1, 16, 1) if d >= 128 else (1, min(d, 32), 4)
+    return BLOCK_ROWS, min(d, 32), 4
+
+
 @triton.jit
 def _norm_rope(x_ptr, w_ptr, eps, cos, sin, valid, cols, partner, sign, D: tl.constexpr, HAS_NORM: tl.constexpr,
                dtype: tl.constexpr):
@@ -125,10 +139,9 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     hkv = k.shape[1]
     rotate = rotation is not None
     rotate_keys = rotate and rotate_keys
-    block_n = min(d, 32)
     qw, q_eps = q_norm if q_norm is not None else (q, 0.0)
     kw, k_eps = k_norm if k_norm is not None else (k, 0.0)
-    rows_per_program = 1 if b == 1 else BLOCK_ROWS  # one row: broadcast sums instead of a 16-row dot
+    rows_per_program, block_n, warps = launch_plan(b, d)  # one row: broadcast sums instead of a 16-row dot
     programs = hq * (d // block_n if rotate else 1) + hkv * (d // block_n if rotate_keys else 1)
     grid = (triton.cdiv(b, rows_per_program), programs)
     _decode_qk_kernel[grid](q, k, qw, kw, cos, sin, rotation if rotate else q,
@@ -137,4 +150,4 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
                             HQ=hq, HKV=hkv, D=d, ROTATE=rotate, PER_HEAD=rotate and rotation.dim() == 3,
                             ROTATE_KEYS=rotate_keys, CENTER_KEYS=rotate_keys and key_mean is not None,
                             HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, BLOCK=rows_per_program,
-                            BLOCK_N=block_n, OVERLAP=overlap, num_warps=4, **programmatic(overlap))
+                            BLOCK_N=block_n, OVERLAP=overlap, num_warps=warps, **programmatic(overlap))
