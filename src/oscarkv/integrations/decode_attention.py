@@ -44,9 +44,6 @@ DECODE_ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Atten
 CACHE_KEYWORDS = ("past_key_values", "cache", "past_key_value")  # by transformers version
 
 
-L2_PREFETCH = True
-
-
 def sliding_window(module: nn.Module) -> int | None:
     """The window the module's forward passes to its attention function."""
     if type(module).__name__ == "MistralAttention":
@@ -98,8 +95,7 @@ def _forward(module: nn.Module, norms: tuple, previous: Callable, *args, **kwarg
                                   backend=getattr(cache, "backend", "auto"), rotate_keys=rotated,
                                   key_mean=layer.key_mean if rotated else None)
     cache.update(key.view(b, -1, 1, d), v, module.layer_idx, keys_rotated=rotated)
-    out = layer.attend_decode(query, module.scaling, sliding_window(module),
-                              prefetch=module.o_proj.weight if L2_PREFETCH else None)
+    out = layer.attend_decode(query, module.scaling, sliding_window(module))
     return module.o_proj(out.reshape(b, 1, -1)), None
 
 

@@ -82,11 +82,8 @@ class AttendingLayer(DynamicLayer):
     def key_mean(self) -> torch.Tensor | None:
         return None
 
-    def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None,
-                      prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """query: [B, Hq, D], one token per row, already times `query_rotation` -> [B, Hq, D].
-        prefetch: a tensor the step reads next (the output projection's weight), which the attention may bring
-        into the GPU's L2 cache while it runs."""
+    def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        """query: [B, Hq, D], one token per row, already times `query_rotation` -> [B, Hq, D]."""
         b, hq, d = query.shape
         return self.attend(query.view(b, hq, 1, d), scaling, sliding_window).reshape(b, hq, d)
 
@@ -168,17 +165,15 @@ class PagedOscarLayer(AttendingLayer):
     def key_mean(self) -> torch.Tensor | None:
         return self.k_mean
 
-    def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None,
-                      prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        return self._attend_rotated(query, scaling, sliding_window, prefetch)
+    def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        return self._attend_rotated(query, scaling, sliding_window)
 
-    def _attend_rotated(self, q: torch.Tensor, scaling: float, sliding_window: int | None,
-                        prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def _attend_rotated(self, q: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """q: [B·n, Hq, D] times R_K -> [B·n, Hq, D], over the cache and the step's own tokens."""
         return attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
                            scaling, sliding_window or 0, backend=self.owner.backend,
                            max_context=self.owner.max_context, validate=False,
-                           extend=self.owner.cache_config.extend_attention, prefetch=prefetch)
+                           extend=self.owner.cache_config.extend_attention)
 
     def get_seq_length(self) -> int:
         return self.length

@@ -21,8 +21,7 @@ ATTENTION_TYPES = dict(
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, qk_scale="fp32", window="i32",
-    shift_ptr="*fp32", num_blocks="i32", k_kappa="fp32", k_unit="fp32", v_kappa="fp32", v_unit="fp32",
-    prefetch_ptr=WINDOW, prefetch_bytes="i64")
+    shift_ptr="*fp32", num_blocks="i32", k_kappa="fp32", k_unit="fp32", v_kappa="fp32", v_unit="fp32")
 WRITE_TYPES = dict(
     k_ptr=WINDOW, v_ptr=WINDOW, k_rot_ptr=WINDOW, rot_ptr="*fp32", rot_head_stride="i32", mean_ptr="*fp32",
     pieces_ptr="*bf16", mean_rot_ptr="*fp32",

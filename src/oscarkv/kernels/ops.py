@@ -456,8 +456,7 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                 max_context: int | None = None, out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
                 window_splits: int | WindowPlan | None = None, row_groups: int | None = None,
-                extend: ExtendPath = "auto", block_m: int | None = None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                extend: ExtendPath = "auto", block_m: int | None = None) -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] (rotated by R_K) over the cache and the step itself.
 
     k_rot, v: [T, Hkv, D] from `write_step` (call it first). Returns [T, Hq, D] in q.dtype.
@@ -470,8 +469,6 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     kernel), "dequantize" (`extend.extend_attention`: the history dequantized once, then SDPA), or "auto"
     (`takes_dequantized_extend`). Decode steps (one new token per sequence at most) always run the kernel.
     block_m: query rows per program of the kernel (None: `choose_block_m`).
-    prefetch: a contiguous tensor that the kernel's window programs bring into the L2 cache while the history
-    programs run (decode steps with separate window programs on CUDA; the output projection's weight, read next).
     """
     lay = layer.layout
     _check_inputs(layer, batch, ("q", q, None), ("k_rot", k_rot, lay.kv_heads), ("v", v, lay.kv_heads))
@@ -507,8 +504,7 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                                   q.device, block_m)
     launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=plan.splits,
                      row_groups=row_groups, window_warps=plan.warps, window_block_n=plan.block_n, maxnreg=registers,
-                     combine_d_block=min(COMBINE_CHANNELS, lay.head_dim), block_m=block_m,
-                     prefetch=prefetch if prefetch is not None and prefetch.is_contiguous() else None)
+                     combine_d_block=min(COMBINE_CHANNELS, lay.head_dim), block_m=block_m)
     return out
 
 

@@ -44,19 +44,6 @@ UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·2^-24 (s
 
 
 @triton.jit
-def _prefetch_to_l2(ptr, nbytes, program, programs, LANES: tl.constexpr):
-    """Bring bytes [0, nbytes) at ptr (16-byte aligned; nbytes a multiple of 16) into the L2: this program's
-    share of `programs`, one bulk prefetch (sm_90's cp.async.bulk.prefetch) per lane. Nothing waits for it."""
-    lanes = tl.arange(0, LANES)
-    per_lane = tl.cdiv(tl.cdiv(nbytes, programs * LANES), 16) * 16
-    start = (program * LANES + lanes).to(tl.int64) * per_lane
-    size = tl.minimum(tl.maximum(nbytes - start, 0), per_lane).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.pointer_type(tl.int8)) + start, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _as_float16_units(c):
     """Small integer codes as float16 with the same bits: c·2^-24, an exact subnormal."""
     return c.to(tl.int16).to(tl.float16, bitcast=True)
@@ -717,14 +704,13 @@ def _paged_attention_kernel(
         slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
         kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
         sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
-        qk_scale, window, shift_ptr, num_blocks, k_kappa, k_unit, v_kappa, v_unit, prefetch_ptr, prefetch_bytes,
+        qk_scale, window, shift_ptr, num_blocks, k_kappa, k_unit, v_kappa, v_unit,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
         V_BITS: tl.constexpr, P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
         REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
         SHIFT_BLOCK: tl.constexpr = 1, OVERLAP: tl.constexpr = 0, K_LLOYD: tl.constexpr = False,
-        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True, ROW_GROUPS: tl.constexpr = 1,
-        PREFETCH_LANES: tl.constexpr = 0):
+        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True, ROW_GROUPS: tl.constexpr = 1):
     """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
     block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
     WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
@@ -748,9 +734,6 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     m_block = tl.program_id(1)
     WS: tl.constexpr = WINDOW_SPLITS
-    if PREFETCH_LANES > 0:
-        _prefetch_to_l2(prefetch_ptr, prefetch_bytes, pid * tl.num_programs(2) + tl.program_id(2),
-                        tl.num_programs(0) * tl.num_programs(2), PREFETCH_LANES)
     split = tl.program_id(2) + (WS if REGIONS == 1 else 0)
     history_split = split - WS if NUM_SPLITS > 1 else 0
     has_history = (split >= WS or NUM_SPLITS == 1) and REGIONS != 2
@@ -1038,7 +1021,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
                      maxnreg: int | None = None, window_splits: int = 1, overlap: bool | None = None,
                      window_first: bool = False, row_groups: int = 1, window_block_n: int | None = None,
-                     combine_d_block: int | None = None, prefetch: torch.Tensor | None = None) -> None:
+                     combine_d_block: int | None = None) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
@@ -1087,8 +1070,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
             scale * LOG2E, window,
             *((score_shift_terms(layer, q, scale), layer.key_shifts.shape[0]) if layer.key_shifts is not None
               else (q, 1)),
-            *lloyd_factors(lay.key_inner), *lloyd_factors(lay.value_inner),
-            *((prefetch, prefetch.numel() * prefetch.element_size() // 16 * 16) if prefetch is not None else (q, 0)))
+            *lloyd_factors(lay.key_inner), *lloyd_factors(lay.value_inner))
     cuda = q.device.type == "cuda"
     shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, K_BITS=lay.key_bits, V_BITS=lay.value_bits,
                  P=lay.page_size, S=lay.sink_tokens,
@@ -1107,8 +1089,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
                    dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))
         windows = ((b * lay.kv_heads, m_blocks, ws),
-                   dict(REGIONS=2, num_warps=window_warps, num_stages=2, BLOCK_N=window_block_n or block_n,
-                        PREFETCH_LANES=32 * window_warps if prefetch is not None and cuda else 0))
+                   dict(REGIONS=2, num_warps=window_warps, num_stages=2, BLOCK_N=window_block_n or block_n))
         first, second = (windows, history) if window_first else (history, windows)
         _paged_attention_kernel[first[0]](*args, **{**shape, **first[1]}, OVERLAP=int(overlap))
         _paged_attention_kernel[second[0]](*args, **{**shape, **second[1]}, OVERLAP=2 * int(overlap),
