@@ -191,7 +191,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
              dict(gemv, K=2560, KB=4096, stride_g=2560, stride_u=2560), "K=2560"),
             (triton_norm._rms_norm_kernel, NORM_TYPES, dict(BLOCK=4096, OVERLAP=arch >= 90, RESIDUAL=True),
              "N=2560, residual")):
-        seconds = _compile(fn, types, constexprs, arch, num_warps=4, num_stages=1)
+        warps = triton_norm.norm_warps(2560) if fn is triton_norm._rms_norm_kernel else 4
+        seconds = _compile(fn, types, constexprs, arch, num_warps=warps, num_stages=1)
         count += 1
         if verbose:
             print(f"sm_{arch} {fn.__name__:<24} {label} ok ({seconds:.1f} s)", flush=True)

@@ -44,6 +44,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, r_ptr, sum_ptr, BLOCK: tl.cons
     tl.store(y_ptr + row * N + cols, _round_to(w * normed, dtype).to(dtype), mask=ok)
 
 
+def norm_warps(n: int) -> int:
+    """Warps of a program that normalizes one row of n values. Rows of 1024 or more take 8: on the H100 the
+    Qwen3-4B step (rows of 2560) at 1×100K took 4.418–4.425 ms with 8, 16 or 32 warps against 4.432–4.440 with 4,
+    4.47 with 2 and 4.62 with 1 (docs/data/norm-warps-h100.txt)."""
+    return 8 if n >= 1024 else 1
+
+
 def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, overlap: bool = False,
                     residual: torch.Tensor | None = None, summed: torch.Tensor | None = None) -> None:
     """out = RMSNorm(x) over the last dimension; x and out contiguous, weight [N] of x's dtype. With `residual`
@@ -52,4 +59,4 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     extra = (residual, summed) if residual is not None else (x, out)
     _rms_norm_kernel[(x.numel() // n,)](x, weight, out, n, eps, *extra, BLOCK=triton.next_power_of_2(n),
                                         OVERLAP=overlap, RESIDUAL=residual is not None,
-                                        num_warps=4 if n >= 1024 else 1, **programmatic(overlap))
+                                        num_warps=norm_warps(n), **programmatic(overlap))
