@@ -38,6 +38,7 @@ from .triton_pdl import programmatic as _programmatic
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
 
 LOG2E = 1.4426950408889634
+COMBINE_WARPS = 4  # 2 and 8 were slower or no faster on the H100 (docs/data/combine-write-warps-h100.txt)
 BLOCK_M_CHOICES = (8, 16, 32)  # query rows per program that `launch_attention` takes (16: every decode and prefill)
 
 UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·2^-24 (see _as_float16_units)
@@ -1102,7 +1103,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         d_block = combine_d_block or d
         _combine_kernel[(rows, d // d_block)](part_o, part_lse, out, D=d, NUM_SPLITS=num_splits,
                                               SPLIT_BLOCK=triton.next_power_of_2(num_splits), WAIT=overlap,
-                                              D_BLOCK=d_block, **_programmatic(overlap))
+                                              D_BLOCK=d_block, num_warps=COMBINE_WARPS, **_programmatic(overlap))
 
 
 def lloyd_factors(inner: float | None) -> tuple[float, float]:

@@ -610,6 +610,9 @@ def pattern_shift(dtype) -> int:
 # for compilers that allocate more: a prototype of this launch took 182 registers and ran 227 µs for a 32K-token
 # prompt against 192 µs capped at 168 (docs/kernels.md, "Write: keys and values in separate programs").
 PROMPT_WRITE_REGISTERS = 168
+# Warps per program of a decode step's merged flush-and-write launch: 1, 2 and 8 were slower or no faster on the
+# H100 (docs/data/combine-write-warps-h100.txt).
+DECODE_WRITE_WARPS = 4
 
 
 def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float, pieces=None,
@@ -693,4 +696,5 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
                             *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
                             ROTATE=rotate, CENTER=mean is not None,
                             FLUSH_BLOCKS=flush_blocks if merged else 0, STREAM=stream,
-                            **dict(common, BLOCK_T=write_block), **registers)
+                            **dict(common, BLOCK_T=write_block), **registers,
+                            **(dict(num_warps=DECODE_WRITE_WARPS) if merged else {}))
