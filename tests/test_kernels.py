@@ -439,7 +439,7 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     monkeypatch.setattr(ops, "_multiprocessor_count", lambda device: 132)
     layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
     splits = lambda batch, context: ops.choose_splits(layer, batch, 1, 32, context, torch.device("cpu"))  # noqa: E731
-    assert [splits(1, c) for c in (8192, 32768, 131072)] == [66 + 4, 66 + 4, 128 + 4]
+    assert [splits(1, c) for c in (8192, 32768, 65536, 131072)] == [66 + 4, 66 + 4, 127 + 4, 132 + 4]
     # batches beyond 4 (32 sequence-head pairs) take 2 four-warp window splits, up to 2 pairs per
     # multiprocessor; where those history splits read 64 pages or more (32x32K: 128), one one-warp split
     assert [splits(b, 32768) for b in (4, 8, 32, 66, 81)] == [33 + 4, 16 + 2, 4 + 1, 2 + 1, 4 + 1]

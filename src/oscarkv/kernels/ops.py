@@ -187,7 +187,11 @@ def split_count(programs: int, tokens: int, device: torch.device) -> int:
     return max(2, min(wanted, by_length) + 1)
 
 
-MAX_HISTORY_SPLITS = 128
+# A bound on the decode workspace. Batch 1 from 64K takes one history split per multiprocessor and KV head (132 on
+# an H100): every multiprocessor then holds 8 history programs instead of 100 holding 8 and 32 holding 7 with
+# the bound of 128 before. The whole Qwen3-4B step at 1x100K went from 4.41-4.43 to 4.36 ms on the H100
+# (docs/data/history-splits-h100.txt).
+MAX_HISTORY_SPLITS = 256
 MIN_PAGES_PER_SPLIT = 8  # decode history splits shorter than this are merged, down to half a wave
 PROGRAMS_PER_MULTIPROCESSOR = 8  # decode history programs per multiprocessor (`choose_splits`)
 SMALL_BATCH_WINDOW_SPLITS = 4
@@ -273,8 +277,8 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
     """Splits of the INT2 kernel's grid (history splits + window splits; see the kernel).
 
     Decode: the history of each (sequence, KV head) is split into as many parts as keep the one-warp
-    programs at about 8 per multiprocessor, one resident wave (9 fit), with at most 128 splits and
-    at least one page each. A single one-warp program reads only about one page per 3 µs (a serial
+    programs at about 8 per multiprocessor, one resident wave (9 fit), with at most MAX_HISTORY_SPLITS splits
+    and at least one page each. A single one-warp program reads only about one page per 3 µs (a serial
     chain of loads and dots), so short splits are what makes batch 1 fast; a second, partial wave
     costs more than the longer splits save (32x32K on the H100: 4 history splits 291 µs, 5 splits
     366 µs, 7 splits 326 µs). When one wave would be less than 6 programs per multiprocessor
