@@ -82,6 +82,18 @@ def print_ablation(args: argparse.Namespace, context: int, method: str, times: d
           flush=True)
 
 
+def sweep(args: argparse.Namespace, variants: dict[str, Callable[[], None]], reps: int = 2,
+          method: str = "hadamard") -> None:
+    """For each of `args.contexts` at `args.batch` (random prompt, `args.model`): the variants' ms per CUDA-graph step,
+    run in turn `reps` times in this process (`alternating_step_ms`), printed as one line (`print_ablation`)."""
+    model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        prompt = torch.randint(0, model.config.vocab_size, (args.batch, ctx), device="cuda")
+        oscarkv.patch(model, method=method)
+        print_ablation(args, ctx, method, alternating_step_ms(model, prompt, variants, reps=reps))
+
+
 def profile(model, prompt, steps: int = 8, layer_kernels: int = 0) -> None:
     """The GPU kernels of `steps` eager static steps, by total time (torch.profiler)."""
     from torch.profiler import ProfilerActivity

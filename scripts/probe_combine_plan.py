@@ -6,13 +6,9 @@ Qwen3-4B shape by default, random weights, batch 1, INT2 (Hadamard).
 """
 import sys
 
-import torch
-
 sys.path.insert(0, "scripts")
-import oscarkv  # noqa: E402
-from check_static_decode import ablation_arguments, alternating_step_ms, print_ablation  # noqa: E402
+from check_static_decode import ablation_arguments, sweep  # noqa: E402
 from oscarkv.kernels import ops, triton_attention  # noqa: E402
-from oscarkv.models import load_model  # noqa: E402
 
 args = ablation_arguments(plans="32x4,16x4,32x8")
 shipped = ops.COMBINE_CHANNELS, triton_attention.COMBINE_WARPS
@@ -24,11 +20,5 @@ def using(channels: int, warps: int):
     return use
 
 
-variants = {p: using(*map(int, p.split("x"))) for p in args.plans.split(",")}
-model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
-torch.manual_seed(0)
-for ctx in (int(c) for c in args.contexts.split(",")):
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, ctx), device="cuda")
-    oscarkv.patch(model, method="hadamard")
-    print_ablation(args, ctx, "hadamard", alternating_step_ms(model, prompt, variants, reps=2))
+sweep(args, {p: using(*map(int, p.split("x"))) for p in args.plans.split(",")})
 ops.COMBINE_CHANNELS, triton_attention.COMBINE_WARPS = shipped

@@ -10,12 +10,8 @@ constants; the first value should be the shipped one.
 import importlib
 import sys
 
-import torch
-
 sys.path.insert(0, "scripts")
-import oscarkv  # noqa: E402
-from check_static_decode import ablation_arguments, alternating_step_ms, print_ablation  # noqa: E402
-from oscarkv.models import load_model  # noqa: E402
+from check_static_decode import ablation_arguments, sweep  # noqa: E402
 
 args = ablation_arguments(constant="kernels.ops.MAX_HISTORY_SPLITS", values="128,132")
 module_name, name = args.constant.rsplit(".", 1)
@@ -29,11 +25,5 @@ def using(value: int):
     return use
 
 
-variants = {f"{name}={v}": using(int(v)) for v in args.values.split(",")}
-model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
-torch.manual_seed(0)
-for ctx in (int(c) for c in args.contexts.split(",")):
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, ctx), device="cuda")
-    oscarkv.patch(model, method="hadamard")
-    print_ablation(args, ctx, "hadamard", alternating_step_ms(model, prompt, variants, reps=3))
+sweep(args, {f"{name}={v}": using(int(v)) for v in args.values.split(",")}, reps=3)
 setattr(module, name, shipped)

@@ -6,13 +6,9 @@ per program and warps), timed as whole CUDA-graph decode steps, the plans in tur
 """
 import sys
 
-import torch
-
 sys.path.insert(0, "scripts")
-import oscarkv  # noqa: E402
-from check_static_decode import ablation_arguments, alternating_step_ms, print_ablation  # noqa: E402
+from check_static_decode import ablation_arguments, sweep  # noqa: E402
 from oscarkv.kernels import triton_decode_qk  # noqa: E402
-from oscarkv.models import load_model  # noqa: E402
 
 args = ablation_arguments(plans="32x4,16x1")
 shipped = triton_decode_qk.launch_plan
@@ -27,11 +23,5 @@ def using(columns: int, warps: int):
     return use
 
 
-variants = {p: using(*map(int, p.split("x"))) for p in args.plans.split(",")}
-model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
-torch.manual_seed(0)
-for ctx in (int(c) for c in args.contexts.split(",")):
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, ctx), device="cuda")
-    oscarkv.patch(model, method="hadamard")
-    print_ablation(args, ctx, "hadamard", alternating_step_ms(model, prompt, variants, reps=2))
+sweep(args, {p: using(*map(int, p.split("x"))) for p in args.plans.split(",")})
 triton_decode_qk.launch_plan = shipped

@@ -6,13 +6,9 @@ random weights, batch 1, INT2 (Hadamard).
 """
 import sys
 
-import torch
-
 sys.path.insert(0, "scripts")
-import oscarkv  # noqa: E402
-from check_static_decode import ablation_arguments, alternating_step_ms, print_ablation  # noqa: E402
+from check_static_decode import ablation_arguments, sweep  # noqa: E402
 from oscarkv.kernels import triton_norm  # noqa: E402
-from oscarkv.models import load_model  # noqa: E402
 
 args = ablation_arguments(warps="4,1,2,8")
 shipped = triton_norm.norm_warps
@@ -24,11 +20,5 @@ def using(warps: int):
     return use
 
 
-variants = {f"{w} warps": using(int(w)) for w in args.warps.split(",")}
-model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
-torch.manual_seed(0)
-for ctx in (int(c) for c in args.contexts.split(",")):
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, ctx), device="cuda")
-    oscarkv.patch(model, method="hadamard")
-    print_ablation(args, ctx, "hadamard", alternating_step_ms(model, prompt, variants, reps=2))
+sweep(args, {f"{w} warps": using(int(w)) for w in args.warps.split(",")})
 triton_norm.norm_warps = shipped
