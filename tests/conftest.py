@@ -15,6 +15,10 @@ if not torch.cuda.is_available():
 
     interpreter_speedup.install()
 
+# Parallel workers (pytest-xdist) share the cores instead of each starting one torch thread per core.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_addoption(parser):
     parser.addoption("--vllm-python", default=None,

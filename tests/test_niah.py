@@ -9,7 +9,8 @@ from oscarkv.assets import load_text
 from oscarkv.config import CacheConfig, QuantConfig
 from oscarkv.evaluation.niah import answer_of, build_cases, evaluate_niah, summarise
 
-pytestmark = pytest.mark.model
+# One parallel test worker runs this module, so that its module-scoped setup runs once.
+pytestmark = [pytest.mark.model, pytest.mark.xdist_group("test_niah")]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
 from oscarkv.errors import ArtifactError, InputTooLongError
 from oscarkv.evaluation.ppl import perplexity, window_nll
 
-pytestmark = pytest.mark.model
+# One parallel test worker runs this module, so that its module-scoped setup runs once.
+pytestmark = [pytest.mark.model, pytest.mark.xdist_group("test_smollm2")]
 
 
 @pytest.fixture(scope="module")

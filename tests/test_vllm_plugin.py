@@ -30,7 +30,8 @@ from oscarkv.calibration.artifact import RotationArtifact
 from oscarkv.integrations.vllm_format import shared_cell_bytes
 from oscarkv.models import load_model, resolve_model
 
-pytestmark = pytest.mark.model
+# One parallel test worker runs this module, so that its module-scoped setup runs once.
+pytestmark = [pytest.mark.model, pytest.mark.xdist_group("test_vllm_plugin")]
 
 KV_SPACE_GIB = 1
 NEW_TOKENS = 16

