@@ -121,7 +121,7 @@ def test_fused_decode_steps_equal_the_modules_own(family, method, dtype, monkeyp
     """Static decode steps with the fused forward give the tokens of transformers' own forwards (the torch
     reference of the fusion computes as the modules do), one fused call per layer and step; prompts go
     through the modules' own forward, and the forwards come back. In bfloat16 the INT2 cache takes the keys
-    rotated by the fusion, its write only stores them."""
+    rotated by the fusion, and its write (in the same launch on the kernels) only stores them."""
     from oscarkv.integrations import decode_attention
     from oscarkv.integrations.static_decode import generate_static
     from test_transformers_cache import _ids
@@ -130,19 +130,23 @@ def test_fused_decode_steps_equal_the_modules_own(family, method, dtype, monkeyp
     ids = _ids(40, batch=2).to(DEVICE)
     backend = "auto" if DEVICE == "cuda" else "torch"
     expected = generate_static(model, ids, 12, graphs=False, backend=backend)
-    calls, unrotated_writes = [], []
-    fused = decode_attention.decode_query_key
-    monkeypatch.setattr(decode_attention, "decode_query_key", lambda *a, **kw: (calls.append(1), fused(*a, **kw))[1])
+    calls, rotating_writes = [], []
     from oscarkv.integrations import paged
-    write = paged.write_step
-    monkeypatch.setattr(paged, "write_step", lambda *a, **kw: (unrotated_writes.append(a[4] is None), write(*a, **kw))[1])
+    from oscarkv.kernels import ops
+    for name in ("decode_query_key", "decode_query_key_write"):  # a layer's decode step calls one of them once
+        fused = getattr(paged, name)
+        monkeypatch.setattr(paged, name, lambda *a, _fused=fused, **kw: (calls.append(1), _fused(*a, **kw))[1])
+    for module in (paged, ops):  # the cache's own write, and the one after `decode_query_key_write`'s torch path
+        write = module.write_step
+        monkeypatch.setattr(module, "write_step", lambda *a, _write=write, **kw: (
+            rotating_writes.append(a[4] is not None), _write(*a, **kw))[1])
     with decode_attention.fused_decode_attention(model):
         got = generate_static(model, ids, 12, graphs=False, backend=backend)
     assert torch.equal(got, expected)
     layers = model.config.num_hidden_layers
     assert len(calls) == layers * 11  # the prompt's forward and its first token are not one-token rows
-    if method == "oscar":  # the decode steps' keys come rotated in bfloat16 (the write does not rotate them)
-        assert sum(unrotated_writes) == (layers * 11 if dtype == torch.bfloat16 else 0)
+    if method == "oscar":  # in bfloat16 only the prompt's write rotates keys: the decode steps' come rotated
+        assert sum(rotating_writes) == layers * (1 if dtype == torch.bfloat16 else 12)
     assert not any("forward" in vars(m) for m in model.modules())
 
 
@@ -182,3 +186,76 @@ def test_a_layer_refuses_rotated_keys_before_its_first_step():
     keys = torch.zeros(1, state.kv_heads, 1, state.head_dim, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(OscarError, match="rotated keys"):
         cache.update(keys, keys, 0, keys_rotated=True)
+
+
+# ---- the cache write in the query/key launch (`ops.decode_query_key_write`) ----------------------------------
+
+def _layer_buffers(run) -> dict[str, torch.Tensor]:
+    layer = run.layer
+    return {name: getattr(layer, name).clone() for name in
+            ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "sink_k", "sink_v", "ring_k", "ring_v")}
+
+
+@pytest.mark.parametrize("d,gqa,batch,options", [(64, 1, 3, {}), (128, 2, 1, {}), (128, 1, 3, {"shift_block": 16}),
+                                                 (64, 2, 1, {"key_inner": 0.36, "value_inner": 0.35})])
+def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, batch, options):
+    """Decode steps through one launch (queries, keys, the token's store and the flush) leave the cache, the
+    queries and the rotated keys bit for bit as the query/key launch followed by the write launch does, at batch 1
+    (one row per program) and 3 (a block of rows). The prompts put the first decode tokens in the sink (8 of 16),
+    at its edge (15) and in the ring (60); the fifth step crosses a flush (at sink 16 + recent 32 + page 16); batch
+    1 takes the 60-token prompt."""
+    from oscarkv.cache.paged import PagedLayout
+    from oscarkv.kernels.ops import decode_query_key_write, write_step
+    from paged_helpers import PagedRun, random_step
+
+    shift_block = options.get("shift_block", 0)
+    layout = PagedLayout(kv_heads=2, head_dim=d, group_size=64, page_size=16, sink_tokens=16, recent_tokens=32,
+                         key_inner=options.get("key_inner"), value_inner=options.get("value_inner"))
+    runs = [PagedRun(layout, batch, 256, 2 * gqa, "triton", device=DEVICE, shift_block=shift_block)
+            for _ in range(2)]
+    g = torch.Generator().manual_seed(d + batch)
+    prompts = [8, 15, 60] if batch == 3 else [60]
+    _, k, v = random_step(layout, 2 * gqa, prompts, g, device=DEVICE)
+    for run in runs:
+        write_step(run.layer, run.cache.step(run.slots, prompts), k, v, run.rotation, run.mean, 0.96, 0.92)
+    fused, unfused = runs
+    for step in range(5):
+        q, k, cos, sin, _, q_norm, k_norm = _inputs(batch, 2 * gqa, 2, d, torch.bfloat16, "none", True, seed=step)
+        v = (torch.randn(batch, 2, d, generator=g)).to(DEVICE, torch.bfloat16)
+        common = dict(q_norm=q_norm, k_norm=k_norm, key_mean=fused.mean, clip_k=0.96, clip_v=0.92, backend="triton")
+        calls = []
+        from oscarkv.kernels import triton_write
+        launch_write = triton_write.launch_write
+        triton_write.launch_write = lambda *a, **kw: (calls.append(1), launch_write(*a, **kw))[1]
+        try:
+            got = decode_query_key_write(fused.layer, fused.cache.step(fused.slots, [1] * batch), q, k, v, cos, sin,
+                                         fused.rotation, **common)
+            assert not calls, "the fused step launched the write kernel"
+            query, key = decode_query_key(q, k, cos, sin, unfused.rotation, q_norm, k_norm, backend="triton",
+                                          rotate_keys=True, key_mean=unfused.mean)
+            expected = (query, write_step(unfused.layer, unfused.cache.step(unfused.slots, [1] * batch), key, v,
+                                          None, None, 0.96, 0.92, backend="triton"))
+        finally:
+            triton_write.launch_write = launch_write
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        after, before = _layer_buffers(fused), _layer_buffers(unfused)
+        for name in after:
+            assert torch.equal(after[name], before[name]), f"{name} differs after step {step}"
+
+
+def test_cache_write_falls_back_to_two_calls_where_one_launch_cannot_serve():
+    """A float32 step (windows in bfloat16) makes the two calls: float32 queries, keys in the windows' dtype."""
+    from oscarkv.cache.paged import PagedLayout
+    from oscarkv.kernels.ops import decode_query_key_write
+    from paged_helpers import PagedRun
+
+    layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, page_size=16, sink_tokens=16, recent_tokens=32)
+    run = PagedRun(layout, 1, 128, 4, "torch", device=DEVICE)
+    q, k, cos, sin, _, q_norm, k_norm = _inputs(1, 4, 2, 64, torch.float32, "none", True)
+    v = torch.randn(1, 2, 64).to(DEVICE)
+    query, key = decode_query_key_write(run.layer, run.cache.step(run.slots, [1]), q, k, v, cos, sin, run.rotation,
+                                        q_norm, k_norm, key_mean=run.mean, backend="triton")
+    assert query.dtype == torch.float32 and key.dtype == torch.bfloat16 and query.shape == (1, 4, 64)
+    assert torch.equal(run.layer.sink_v[run.slots[0], :, 0], v[0].to(torch.bfloat16))
+    with pytest.raises(OscarError, match="key rotation"):
+        decode_query_key_write(run.layer, run.cache.step(run.slots, [1]), q, k, v, cos, sin, None)

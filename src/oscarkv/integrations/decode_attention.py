@@ -9,7 +9,8 @@ one-token rows to `ops.decode_query_key` (one Triton launch on CUDA, `kernels/tr
 which also centers and rotates the keys where the cache layer takes them so
 (`AttendingLayer.takes_rotated_keys`: the paged INT2 cache, whose write then only stores them),
 writes the keys and values through the cache, and hands the prepared queries to the cache layer
-(`AttendingLayer.attend_decode`).
+(`AttendingLayer.attend_decode`). The cache layer does those steps (`AttendingLayer.prepare_decode`):
+the paged INT2 cache runs its write in the same launch on the kernels (`ops.decode_query_key_write`).
 
 It takes a row only when the module's own forward would do exactly this with it: one token per
 row, the model patched with the "oscar" attention, a cache whose layer attends itself (the paged
@@ -31,7 +32,6 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..kernels.ops import decode_query_key
 from ..models import attention_modules
 from .norms import is_known_rms_norm
 from .paged import AttendingLayer
@@ -88,13 +88,9 @@ def _forward(module: nn.Module, norms: tuple, previous: Callable, *args, **kwarg
     b, d = hidden.shape[0], module.head_dim
     q = module.q_proj(hidden).view(b, -1, d)
     k = module.k_proj(hidden).view(b, -1, d)
-    v = module.v_proj(hidden).view(b, 1, -1, d).transpose(1, 2)
+    v = module.v_proj(hidden).view(b, -1, d)
     cos, sin = (x.reshape(-1, d).expand(b, d) for x in position_embeddings)
-    rotated = layer.takes_rotated_keys
-    query, key = decode_query_key(q, k, cos, sin, layer.query_rotation, *norms,
-                                  backend=getattr(cache, "backend", "auto"), rotate_keys=rotated,
-                                  key_mean=layer.key_mean if rotated else None)
-    cache.update(key.view(b, -1, 1, d), v, module.layer_idx, keys_rotated=rotated)
+    query = layer.prepare_decode(q, k, v, cos, sin, norms, getattr(cache, "backend", "auto"))
     out = layer.attend_decode(query, module.scaling, sliding_window(module))
     return module.o_proj(out.reshape(b, 1, -1)), None
 

@@ -26,7 +26,8 @@ from ..cache.mixed import LayerSpec, left_padding
 from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
 from ..config import CacheConfig
 from ..errors import OscarError
-from ..kernels.ops import attend_step, rotate_queries, rotation_pieces, uses_rotation_pieces, write_step
+from ..kernels.ops import (attend_step, decode_query_key, decode_query_key_write, rotate_queries, rotation_pieces,
+                           uses_rotation_pieces, write_step)
 
 
 def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int) -> list[PagedLayout]:
@@ -86,6 +87,18 @@ class AttendingLayer(DynamicLayer):
         """query: [B, Hq, D], one token per row, already times `query_rotation` -> [B, Hq, D]."""
         b, hq, d = query.shape
         return self.attend(query.view(b, hq, 1, d), scaling, sliding_window).reshape(b, hq, d)
+
+    def prepare_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       norms: tuple, backend: str) -> torch.Tensor:
+        """A decode step's queries and cache write, from the projections: q [B, Hq, D], k and v [B, Hkv, D],
+        cos/sin [B, D], norms the (q, k) RMSNorms' (weight, eps) or None. Stores the step's key and value and
+        returns the queries for `attend_decode` (`ops.decode_query_key`, then `update`)."""
+        rotated = self.takes_rotated_keys
+        query, key = decode_query_key(q, k, cos, sin, self.query_rotation, *norms, backend=backend,
+                                      rotate_keys=rotated, key_mean=self.key_mean if rotated else None)
+        b, hkv, d = k.shape
+        self.update(key.view(b, hkv, 1, d), v.view(b, hkv, 1, d), keys_rotated=rotated)
+        return query
 
 
 class PagedOscarLayer(AttendingLayer):
@@ -167,6 +180,25 @@ class PagedOscarLayer(AttendingLayer):
 
     def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         return self._attend_rotated(query, scaling, sliding_window)
+
+    def prepare_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       norms: tuple, backend: str) -> torch.Tensor:
+        """As `AttendingLayer.prepare_decode`, with the queries, keys and cache write in one launch where the
+        kernels allow (`ops.decode_query_key_write`)."""
+        if not (self.is_initialized and self.takes_rotated_keys):
+            return super().prepare_decode(q, k, v, cos, sin, norms, backend)
+        b = k.shape[0]
+        step = self.owner.begin_step(self.index, b, 1, k.device)
+        if self.owner.real_rows is not None:  # a left-padded first step: only its real rows are stored
+            return super().prepare_decode(q, k, v, cos, sin, norms, backend)
+        v = v if v.is_contiguous() else v.contiguous()  # what `update` stores for the attention
+        quant = self.spec.quant
+        query, self.new_keys = decode_query_key_write(
+            self.owner.storage.layers[self.index], step, q, k, v, cos, sin, self.k_rotation, *norms,
+            key_mean=self.k_mean, clip_k=quant.clip_ratio_k, clip_v=quant.clip_ratio_v, backend=self.owner.backend)
+        self.step, self.new_values, self.fresh_kv = step, v, None
+        self.length += 1
+        return query
 
     def _attend_rotated(self, q: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """q: [B·n, Hq, D] times R_K -> [B·n, Hq, D], over the cache and the step's own tokens."""

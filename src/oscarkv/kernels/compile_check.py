@@ -11,6 +11,7 @@ catches those before a GPU ever sees the code:
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -41,7 +42,11 @@ GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
 GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
 DECODE_QK_TYPES = dict(q_ptr=WINDOW, k_ptr=WINDOW, qw_ptr=WINDOW, kw_ptr=WINDOW, cos_ptr=WINDOW, sin_ptr=WINDOW,
                        r_ptr="*fp32", mean_ptr="*fp32", q_out_ptr=WINDOW, k_out_ptr=WINDOW, rows="i32", q_eps="fp32", k_eps="fp32",
-                       stride_q="i32", stride_k="i32", stride_cos="i32", stride_sin="i32")
+                       stride_q="i32", stride_k="i32", stride_cos="i32", stride_sin="i32", v_ptr=WINDOW, stride_v="i32",
+                       **{name: WRITE_TYPES[name] for name in (
+                           "slots_ptr", "cu_ptr", "len_ptr", "bt_ptr", "bt_stride", "num_pages", "kc_ptr", "ks_ptr",
+                           "kz_ptr", "vc_ptr", "vs_ptr", "vz_ptr", "sink_k_ptr", "sink_v_ptr", "ring_k_ptr", "ring_v_ptr",
+                           "kshift_ptr", "num_blocks", "k_low", "k_high", "v_low", "v_high")})
 DENSE_KV_TYPES = dict(
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16", shift_ptr="*fp32",
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, k_new_ptr=WINDOW, v_new_ptr=WINDOW,
@@ -68,6 +73,9 @@ def compile_kernel(fn, types: dict, constexprs: dict, arch: int, aligned: bool =
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    defaults = {name: param.default for name, param in inspect.signature(fn.fn).parameters.items()
+                if param.default is not inspect.Parameter.empty and name not in types}
+    constexprs = {**defaults, **constexprs}  # a constexpr left out takes the kernel's default
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if (aligned and signature[name].startswith("*")) or name in divisible}
@@ -166,11 +174,18 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))
-        rows, columns, warps = triton_decode_qk.launch_plan(1, d)  # batch 1
-        jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
-                     dict(HQ=hq, HKV=hkv, D=d, ROTATE=True, PER_HEAD=False, ROTATE_KEYS=True, CENTER_KEYS=True,
-                          HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns, OVERLAP=pdl),
-                     dict(num_warps=warps)))
+        # the query/key launch at batch 1 and at 32 rows: alone (no cache arguments), and with the step's cache write
+        # and flush (`ops.decode_query_key_write`; the flush's constexprs as the write launch's)
+        for batch in (1, 32):
+            rows, columns, warps = triton_decode_qk.launch_plan(batch, d)
+            decode_qk = dict(HQ=hq, HKV=hkv, D=d, ROTATE=True, PER_HEAD=False, ROTATE_KEYS=True, CENTER_KEYS=True,
+                             HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns, OVERLAP=pdl)
+            jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
+                         dict(decode_qk, **dict.fromkeys(triton_decode_qk.WRITE_ARGUMENTS)), dict(num_warps=warps)))
+            flush = {name: value for name, value in write.items() if name not in ("HKV", "D")}
+            jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
+                         dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-page // 16)),
+                         dict(num_warps=warps, **unfused)))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

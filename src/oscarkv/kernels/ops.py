@@ -420,6 +420,16 @@ def decode_query_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     the cache stores them: (key - key_mean)·R_K in float32, rounded (key_mean [Hkv, D] or None), for
     `write_step` without a rotation. One Triton launch on CUDA (`triton_decode_qk`) instead of five; the
     torch reference elsewhere."""
+    _check_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, key_mean)
+    rotate_keys = rotate_keys and rotation is not None
+    key_mean = key_mean if rotate_keys else None
+    if not _decode_qk_on_triton(q, k, cos, sin, q_norm, k_norm, backend):
+        query, key = reference.decode_query_key_reference(q, k, cos, sin, rotation, q_norm, k_norm)
+        return query, reference.rotate_keys_reference(key, rotation, key_mean, key.dtype) if rotate_keys else key
+    return _launch_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, rotate_keys, key_mean)
+
+
+def _check_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, key_mean) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise OscarError(f"queries and keys must be [batch, heads, head_dim] with equal batch and head_dim, "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}.")
@@ -434,16 +444,22 @@ def decode_query_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
             raise OscarError(f"the {name} norm's weight must be [{d}], got {tuple(norm[0].shape)}.")
     if key_mean is not None and key_mean.shape != (k.shape[1], d):
         raise OscarError(f"the key mean must be [{k.shape[1]}, {d}], got {tuple(key_mean.shape)}.")
-    rotate_keys = rotate_keys and rotation is not None
-    key_mean = key_mean if rotate_keys else None
+
+
+def _decode_qk_on_triton(q, k, cos, sin, q_norm, k_norm, backend: str) -> bool:
+    """Whether `decode_query_key` runs the Triton launch (else the torch reference)."""
+    d = q.shape[2]
     same_dtype = all(x.dtype == q.dtype for x in (k, cos, sin) + tuple(n[0] for n in (q_norm, k_norm) if n))
-    if resolve_backend(backend, q.device) == "torch" or b == 0 or q.dtype not in WINDOW_DTYPES or not same_dtype \
-            or d & (d - 1) or d < 16:
-        query, key = reference.decode_query_key_reference(q, k, cos, sin, rotation, q_norm, k_norm)
-        return query, reference.rotate_keys_reference(key, rotation, key_mean, key.dtype) if rotate_keys else key
+    return resolve_backend(backend, q.device) == "triton" and q.shape[0] > 0 and q.dtype in WINDOW_DTYPES \
+        and same_dtype and not d & (d - 1) and d >= 16
+
+
+def _launch_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, rotate_keys: bool, key_mean,
+                      write=None) -> tuple[torch.Tensor, torch.Tensor]:
     from .hardware import overlaps_launches
     from .triton_decode_qk import launch_decode_qk
 
+    b, hq, d = q.shape
     q, k = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k))
     cos, sin = (x if x.stride(1) == 1 else x.contiguous() for x in (cos, sin))
     norms = [None if n is None else (n[0].contiguous(), n[1]) for n in (q_norm, k_norm)]
@@ -451,8 +467,40 @@ def decode_query_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     k_out = torch.empty(b, k.shape[1], d, dtype=q.dtype, device=q.device)
     launch_decode_qk(q, k, cos, sin, None if rotation is None else rotation.float().contiguous(),
                      *norms, q_out, k_out, overlap=overlaps_launches(q), rotate_keys=rotate_keys,
-                     key_mean=None if key_mean is None else key_mean.float().contiguous())
+                     key_mean=None if key_mean is None else key_mean.float().contiguous(), write=write)
     return q_out, k_out
+
+
+def decode_query_key_write(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, rotation: torch.Tensor,
+                           q_norm: tuple[torch.Tensor, float] | None = None,
+                           k_norm: tuple[torch.Tensor, float] | None = None, key_mean: torch.Tensor | None = None,
+                           clip_k: float = 0.0, clip_v: float = 0.0,
+                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_query_key` with rotate_keys, then `write_step` of its keys and the values v [B, Hkv, D] into
+    `layer` (validate=False): (the queries for `attend_step`, the rotated keys it reads for the step's own tokens).
+
+    On the Triton path a step of one new token per sequence (the batch's row b is sequence b) whose windows hold
+    q's dtype runs both in one launch: the query/key launch's key programs also store the token in the sink or
+    ring, and more programs of that launch move the tokens that age out of the ring into the history, as
+    `triton_write.launch_write` does in its merged decode launch. That saves one launch per layer in a decode
+    step. Any other step makes the two calls."""
+    if rotation is None:
+        raise OscarError("decode_query_key_write stores rotated keys: it needs the layer's key rotation.")
+    _check_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, key_mean)
+    lay = layer.layout
+    one_token_rows = batch.max_new == 1 and batch.batch == q.shape[0] == k.shape[0] == v.shape[0]
+    fits = v.shape == k.shape == (q.shape[0], lay.kv_heads, lay.head_dim) and v.dtype == q.dtype == layer.ring_k.dtype
+    if one_token_rows and fits and _decode_qk_on_triton(q, k, cos, sin, q_norm, k_norm, backend):
+        from .triton_decode_qk import StepWrite
+
+        _check_inputs(layer, batch)  # the window dtype and the step's index dtypes
+        v = v if v.stride(2) == 1 and v.stride(1) == lay.head_dim else v.contiguous()
+        return _launch_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, True, key_mean,
+                                 StepWrite(layer, batch, v, clip_k, clip_v))
+    query, key = decode_query_key(q, k, cos, sin, rotation, q_norm, k_norm, backend, rotate_keys=True,
+                                  key_mean=key_mean)
+    return query, write_step(layer, batch, key, v, None, None, clip_k, clip_v, backend=backend, validate=False)
 
 
 def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,

@@ -11,6 +11,12 @@ five launches of 1-4 µs each at batch 1 (docs/decode.md). This kernel does all 
   so that the write kernel needs no rotation for a decode step.
 A single row (batch 1) multiplies by R_K as broadcast sums; more rows take a 16-row dot.
 
+With a `StepWrite` (`ops.decode_query_key_write`) the launch is also the decode step's cache write: the key
+programs store the token's rotated key and its value in the sink or ring, and more programs run the flush of
+`triton_write` (the ring tokens that age out, quantized into their pages). That is one launch per layer less
+than the query/key launch followed by the write launch: on the H100 the Qwen3-4B step at 1×100K went from
+4.368 to 4.326–4.329 ms (docs/decode.md).
+
 Rounding follows the eager modules: the norm in float32, rounded to the dtype, times the weight and
 rounded again; RoPE's q·cos and rotate_half(q)·sin each rounded, then their sum. The norm's sum may
 run in another order than PyTorch's, so a value can differ by one ulp, as with the Triton RMSNorm.
@@ -22,14 +28,31 @@ the R_K columns and μ_K load before it waits; the norm weights load with the ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from ..cache.paged import PagedLayer, StepBatch
 from .triton_pdl import gdc_launch_dependents, gdc_wait, programmatic
-from .triton_write import _round_to
+from .triton_write import WRITE_POINTERS, _flush_block, _round_to, flush_arguments
 
 BLOCK_ROWS = 16  # the smallest M of a dot; a decode step has one row per sequence
+# The kernel's cache-write arguments (None when the launch does not write the cache).
+WRITE_ARGUMENTS = ("v_ptr", "stride_v", *WRITE_POINTERS)
+
+
+@dataclass(frozen=True)
+class StepWrite:
+    """A decode step's cache write, done by the query/key launch: the layer's pages and windows, the step, its
+    values [B, Hkv, D] (unit stride on D, heads contiguous) and the clip ratios."""
+
+    layer: PagedLayer
+    batch: StepBatch
+    values: torch.Tensor
+    clip_k: float
+    clip_v: float
 
 
 def launch_plan(rows: int, d: int) -> tuple[int, int, int]:
@@ -70,15 +93,66 @@ def _times(x, block, BLOCK: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _store_step_token(key, v_src, r, valid, head, columns, slots_ptr, len_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr,
+                      ring_v_ptr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, S: tl.constexpr,
+                      R: tl.constexpr):
+    """Store the columns `columns` of rows r's keys (rotated, [BLOCK, BLOCK_N]) and values (at v_src) where the write
+    kernel stores a decode step's token: row r is sequence r, whose one new token sits at its stored length, in the
+    sink below S tokens and in the ring from there (the newest token never lies in the history)."""
+    C: tl.constexpr = R + P
+    slot = tl.load(slots_ptr + r, mask=valid, other=0).to(tl.int64)
+    pos = tl.load(len_ptr + r, mask=valid, other=0)
+    in_sink = (valid & (pos < S))[:, None]
+    in_ring = (valid & (pos >= S))[:, None]
+    sink_row = ((slot * HKV + head) * S + pos)[:, None] * D + columns[None, :]
+    ring_row = ((slot * HKV + head) * C + (pos - S + C) % C)[:, None] * D + columns[None, :]
+    window = ring_k_ptr.dtype.element_ty
+    value = tl.load(v_src, mask=valid[:, None], other=0.0).to(window)
+    key = key.to(window)
+    tl.store(sink_k_ptr + sink_row, key, mask=in_sink)
+    tl.store(sink_v_ptr + sink_row, value, mask=in_sink)
+    tl.store(ring_k_ptr + ring_row, key, mask=in_ring)
+    tl.store(ring_v_ptr + ring_row, value, mask=in_ring)
+
+
+@triton.jit
 def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mean_ptr, q_out_ptr, k_out_ptr,
                       rows, q_eps, k_eps, stride_q, stride_k, stride_cos, stride_sin,
+                      v_ptr, stride_v, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
+                      kshift_ptr, num_blocks, k_low, k_high, v_low, v_high,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
                       PER_HEAD: tl.constexpr, ROTATE_KEYS: tl.constexpr, CENTER_KEYS: tl.constexpr,
                       HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr):
+                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
+                      NG: tl.constexpr = 1, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, P: tl.constexpr = 64,
+                      S: tl.constexpr = 64, R: tl.constexpr = 256, CLIP_K: tl.constexpr = -1,
+                      CLIP_V: tl.constexpr = -1, SHIFT: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16,
+                      KEY_SHIFTS: tl.constexpr = False, SHIFT_BLOCK: tl.constexpr = 1, K_LLOYD: tl.constexpr = False,
+                      V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True, FLUSH_BLOCKS: tl.constexpr = 0):
+    """See the module doc. FLUSH_BLOCKS > 0 (a decode step that writes the cache, `launch_decode_qk`'s `write`):
+    the key programs also store each row's rotated key and its value in the sink or ring
+    (`_store_step_token`), and BLOCK · FLUSH_BLOCKS · HKV more programs per block of rows move the ring tokens
+    that age out to their pages (`triton_write._flush_block`: one row, token block and KV head each); the
+    arguments from v_ptr on and the constexprs from NG on are the write kernel's (None and defaults otherwise)."""
     pid = tl.program_id(1)
     blocks_per_head: tl.constexpr = D // BLOCK_N if ROTATE else 1
     key_blocks: tl.constexpr = D // BLOCK_N if ROTATE_KEYS else 1
+    if FLUSH_BLOCKS > 0:
+        flush = pid - HQ * blocks_per_head - HKV * key_blocks
+        if flush >= 0:
+            if OVERLAP:
+                gdc_launch_dependents()
+                gdc_wait()
+            b = tl.program_id(0) * BLOCK + flush % BLOCK  # one flush program per row (sequence), block and head
+            block_and_head = flush // BLOCK
+            if b < rows:
+                _flush_block(b, block_and_head % FLUSH_BLOCKS, block_and_head // FLUSH_BLOCKS, 2, slots_ptr, cu_ptr,
+                             len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                             ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG,
+                             K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD,
+                             V_LLOYD, COMPILED)
+            return
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = r < rows
     cols = tl.arange(0, D)
@@ -121,8 +195,12 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
         if ROTATE_KEYS:
             if CENTER_KEYS:
                 x = x - mean[None, :]
-            tl.store(out + columns[None, :], _round_to(_times(x, block, BLOCK, D), dtype).to(dtype),
-                     mask=valid[:, None])
+            key = _round_to(_times(x, block, BLOCK, D), dtype).to(dtype)
+            tl.store(out + columns[None, :], key, mask=valid[:, None])
+            if FLUSH_BLOCKS > 0:
+                _store_step_token(key, v_ptr + r[:, None] * stride_v + head * D + columns[None, :], r, valid, head,
+                                  columns, slots_ptr, len_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, HKV, D,
+                                  P, S, R)
         else:
             tl.store(out + cols[None, :], x.to(dtype), mask=valid[:, None])
 
@@ -130,11 +208,15 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
 def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      rotation: torch.Tensor | None, q_norm: tuple[torch.Tensor, float] | None,
                      k_norm: tuple[torch.Tensor, float] | None, q_out: torch.Tensor, k_out: torch.Tensor,
-                     overlap: bool = False, rotate_keys: bool = False, key_mean: torch.Tensor | None = None) -> None:
+                     overlap: bool = False, rotate_keys: bool = False, key_mean: torch.Tensor | None = None,
+                     write: StepWrite | None = None) -> None:
     """q [B, Hq, D], k [B, Hkv, D] (heads contiguous, any row stride); cos/sin [B, D] (unit stride on D);
     rotation float32 contiguous [D, D], [Hkv, D, D] or None; q_norm/k_norm (weight [D], eps) or None;
     q_out [B, Hq, D] and k_out [B, Hkv, D] contiguous, of q's dtype. rotate_keys: k_out is
-    (key - key_mean)·R_K (key_mean float32 [Hkv, D] or None) instead of the key."""
+    (key - key_mean)·R_K (key_mean float32 [Hkv, D] or None) instead of the key.
+    write (with rotate_keys): the step's cache write in the same launch, as `triton_write.launch_write` would run
+    it for k_out and write.values; for decode steps of one token per row, row b being sequence b, whose cache
+    holds windows of q's dtype."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     rotate = rotation is not None
@@ -143,6 +225,17 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     kw, k_eps = k_norm if k_norm is not None else (k, 0.0)
     rows_per_program, block_n, warps = launch_plan(b, d)  # one row: broadcast sums instead of a 16-row dot
     programs = hq * (d // block_n if rotate else 1) + hkv * (d // block_n if rotate_keys else 1)
+    if write is not None and not rotate_keys:
+        raise ValueError("the query/key launch writes the cache only with rotate_keys (the keys as the cache stores them).")
+    if write is None:
+        cache_arguments = dict.fromkeys(WRITE_ARGUMENTS)
+    else:
+        flush_blocks, flush = flush_arguments(write.layer, write.batch, write.clip_k, write.clip_v, decode=True)
+        programs += flush_blocks * hkv * rows_per_program  # one per row of a block of rows, token block and head
+        shared = ("HKV", "D")  # the launch's own, checked equal by `ops.decode_query_key_write`
+        cache_arguments = {name: value for name, value in flush.items() if name not in shared}
+        cache_arguments.update(v_ptr=write.values, stride_v=write.values.stride(0), FLUSH_BLOCKS=flush_blocks,
+                               enable_fp_fusion=False)  # the flush's quantizer rounds as the reference
     grid = (triton.cdiv(b, rows_per_program), programs)
     _decode_qk_kernel[grid](q, k, qw, kw, cos, sin, rotation if rotate else q,
                             key_mean if rotate_keys and key_mean is not None else q, q_out, k_out, b, float(q_eps),
@@ -150,4 +243,5 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
                             HQ=hq, HKV=hkv, D=d, ROTATE=rotate, PER_HEAD=rotate and rotation.dim() == 3,
                             ROTATE_KEYS=rotate_keys, CENTER_KEYS=rotate_keys and key_mean is not None,
                             HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, BLOCK=rows_per_program,
-                            BLOCK_N=block_n, OVERLAP=overlap, num_warps=warps, **programmatic(overlap))
+                            BLOCK_N=block_n, OVERLAP=overlap, num_warps=warps, **cache_arguments,
+                            **programmatic(overlap))

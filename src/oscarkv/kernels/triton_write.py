@@ -615,6 +615,41 @@ PROMPT_WRITE_REGISTERS = 168
 DECODE_WRITE_WARPS = 4
 
 
+# The cache arguments of the write and flush kernels, which a decode step's query/key launch takes too
+# (`triton_decode_qk`); `flush_arguments` gives them by name.
+WRITE_POINTERS = ("slots_ptr", "cu_ptr", "len_ptr", "bt_ptr", "bt_stride", "num_pages", "kc_ptr", "ks_ptr", "kz_ptr",
+                  "vc_ptr", "vs_ptr", "vz_ptr", "sink_k_ptr", "sink_v_ptr", "ring_k_ptr", "ring_v_ptr", "kshift_ptr",
+                  "num_blocks", "k_low", "k_high", "v_low", "v_high")
+FLUSH_TOKENS = 16  # tokens per flush program (the smallest dot), also the write's block for short steps
+
+
+def flush_arguments(layer, batch, clip_k: float, clip_v: float, decode: bool) -> tuple[int, dict]:
+    """(flush programs per sequence and KV head, the cache arguments and constexprs of the flush by name:
+    `WRITE_POINTERS` and the layout's). decode: a step of one token per sequence ages at most one page out of the
+    ring; a longer one up to the whole ring."""
+    from .ops import interpreting
+
+    lay = layer.layout
+    d = lay.head_dim
+    bt = batch.block_table
+    shifts = layer.key_shifts if layer.key_shifts is not None else layer.ring_k  # (unused without key shifts)
+    k_low, k_high = lloyd_thresholds(lay.key_inner)
+    v_low, v_high = lloyd_thresholds(lay.value_inner)
+    arguments = dict(
+        slots_ptr=batch.slots, cu_ptr=batch.cu_new, len_ptr=batch.lengths, bt_ptr=bt, bt_stride=bt.stride(0),
+        num_pages=layer.num_pages, kc_ptr=layer.k_codes, ks_ptr=layer.k_scale, kz_ptr=layer.k_zero,
+        vc_ptr=layer.v_codes, vs_ptr=layer.v_scale, vz_ptr=layer.v_zero, sink_k_ptr=layer.sink_k,
+        sink_v_ptr=layer.sink_v, ring_k_ptr=layer.ring_k, ring_v_ptr=layer.ring_v, kshift_ptr=shifts,
+        num_blocks=shifts.shape[0] if layer.key_shifts is not None else 1, k_low=k_low, k_high=k_high, v_low=v_low,
+        v_high=v_high,
+        HKV=lay.kv_heads, D=d, NG=lay.groups, K_BITS=lay.key_bits, V_BITS=lay.value_bits, P=lay.page_size,
+        S=lay.sink_tokens, R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d),
+        SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=FLUSH_TOKENS, KEY_SHIFTS=layer.key_shifts is not None,
+        SHIFT_BLOCK=max(layer.shift_block, 1), K_LLOYD=lay.key_inner is not None,
+        V_LLOYD=lay.value_inner is not None, COMPILED=not interpreting())
+    return triton.cdiv(lay.page_size if decode else lay.ring_capacity, FLUSH_TOKENS), arguments
+
+
 def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_v: float, pieces=None,
                  merge: bool = True) -> None:
     """Run flush then write on the GPU (or under TRITON_INTERPRET=1); a longer step's flush launch only where a ring
@@ -633,31 +668,16 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
 
     lay = layer.layout
     d = lay.head_dim
-    # 16 rows (the smallest dot) for the flush and for short steps; see write_block below.
-    block_tokens = 16
-    common = dict(HKV=lay.kv_heads, D=d, NG=lay.groups, K_BITS=lay.key_bits, V_BITS=lay.value_bits,
-                  P=lay.page_size, S=lay.sink_tokens,
-                  R=lay.recent_tokens, CLIP_K=clip_rank(clip_k, d), CLIP_V=clip_rank(clip_v, d),
-                  SHIFT=pattern_shift(layer.ring_k.dtype), BLOCK_T=block_tokens,
-                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1),
-                  K_LLOYD=lay.key_inner is not None, V_LLOYD=lay.value_inner is not None,
-                  COMPILED=not interpreting(),
-                  enable_fp_fusion=False)  # the quantizer rounds x·(1/s) and + z apart, as the reference
-    shifts = (layer.key_shifts, layer.key_shifts.shape[0]) if layer.key_shifts is not None else (k, 1)
-    tail = (*shifts, *lloyd_thresholds(lay.key_inner), *lloyd_thresholds(lay.value_inner))  # the last arguments
     b = batch.batch
     if b == 0:
         return
-    bt = batch.block_table
-    pages = (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero)
     merged = merge and batch.max_new == 1
-    # A step of one token ages at most one page out of the ring; a longer one up to the whole ring.
-    flush_blocks = triton.cdiv(lay.page_size if merged else lay.ring_capacity, block_tokens)
+    flush_blocks, cache = flush_arguments(layer, batch, clip_k, clip_v, decode=merged)
+    cache["enable_fp_fusion"] = False  # the quantizer rounds x·(1/s) and + z apart, as the reference
     if not merged:
         if batch.ages_out:
-            _flush_kernel[(b, flush_blocks, lay.kv_heads)](batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
-                                                           layer.num_pages, *pages, layer.ring_k, layer.ring_v, *tail,
-                                                           **common)
+            flush_only = {name: value for name, value in cache.items() if name not in ("sink_k_ptr", "sink_v_ptr")}
+            _flush_kernel[(b, flush_blocks, lay.kv_heads)](**flush_only)
         if batch.max_new == 0:
             return
     # Long steps (prompts) with D <= 128 take blocks of 64 tokens: a quarter of the programs, each
@@ -670,7 +690,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     # then 1; docs/kernels.md), which a Triton without register caps still takes. Other steps keep both streams in
     # one program (STREAM 2): a decode step's write is mostly the rotation of one key per head, and twice the
     # programs made the whole-model step slower.
-    write_block = 64 if batch.max_new >= 64 and d <= 128 else block_tokens
+    write_block = 64 if batch.max_new >= 64 and d <= 128 else FLUSH_TOKENS
     write_blocks = triton.cdiv(batch.max_new, write_block)
     if write_block != 64:
         launches = ((2, lay.kv_heads, {}),)
@@ -692,9 +712,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
         _write_kernel[grid](k, v, k_rot, rotation if rotation is not None else k, stride,
                             mean if mean is not None else k,
                             pieces.pieces if pieces is not None else k, mean_rotated,
-                            batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
-                            *pages, layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v, *tail,
                             ROTATE=rotate, CENTER=mean is not None,
                             FLUSH_BLOCKS=flush_blocks if merged else 0, STREAM=stream,
-                            **dict(common, BLOCK_T=write_block), **registers,
+                            **dict(cache, BLOCK_T=write_block), **registers,
                             **(dict(num_warps=DECODE_WRITE_WARPS) if merged else {}))
