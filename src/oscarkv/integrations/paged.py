@@ -130,8 +130,14 @@ class PagedOscarLayer(AttendingLayer):
             raise OscarError("this layer cannot take rotated keys before its first step, or without a key rotation.")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        b, _, n, _ = key_states.shape
+        self._store(self.owner.begin_step(self.index, b, n, key_states.device), key_states, value_states,
+                    keys_rotated)
+        return self, self
+
+    def _store(self, step: StepBatch, key_states: torch.Tensor, value_states: torch.Tensor, keys_rotated: bool) -> None:
+        """Write a step's keys and values ([B, Hkv, n, D]) with `write_step` and keep what its attention reads."""
         b, hkv, n, d = key_states.shape
-        step = self.owner.begin_step(self.index, b, n, key_states.device)
         k = key_states.transpose(1, 2).reshape(b * n, hkv, d)
         v = value_states.transpose(1, 2).reshape(b * n, hkv, d)
         rows = self.owner.real_rows  # a left-padded first step stores its real tokens only
@@ -151,7 +157,6 @@ class PagedOscarLayer(AttendingLayer):
                                    quant.clip_ratio_k, quant.clip_ratio_v, backend=self.owner.backend,
                                    validate=False, pieces=pieces)
         self.length += n
-        return self, self
 
     def attend(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """query: [B, Hq, n, D] (not rotated) -> attention output [B, n, Hq, D] in query.dtype."""
@@ -187,10 +192,13 @@ class PagedOscarLayer(AttendingLayer):
         kernels allow (`ops.decode_query_key_write`)."""
         if not (self.is_initialized and self.takes_rotated_keys):
             return super().prepare_decode(q, k, v, cos, sin, norms, backend)
-        b = k.shape[0]
+        b, hkv, d = k.shape
         step = self.owner.begin_step(self.index, b, 1, k.device)
         if self.owner.real_rows is not None:  # a left-padded first step: only its real rows are stored
-            return super().prepare_decode(q, k, v, cos, sin, norms, backend)
+            query, key = decode_query_key(q, k, cos, sin, self.k_rotation, *norms, backend=backend, rotate_keys=True,
+                                          key_mean=self.k_mean)
+            self._store(step, key.view(b, hkv, 1, d), v.view(b, hkv, 1, d), keys_rotated=True)
+            return query
         v = v if v.is_contiguous() else v.contiguous()  # what `update` stores for the attention
         quant = self.spec.quant
         query, self.new_keys = decode_query_key_write(
