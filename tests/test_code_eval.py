@@ -13,9 +13,6 @@ from oscarkv.errors import OscarError
 from oscarkv.evaluation.code import (evaluate_code, load_problems, passes_tests, summarise,
                                      truncate_completion)
 
-# One parallel test worker runs this module, so that its module-scoped setup runs once.
-pytestmark = pytest.mark.xdist_group("test_code_eval")
-
 
 def canonical_solutions() -> dict[str, str]:
     with gzip.open(asset_path(HUMAN_EVAL), "rt") as handle:

@@ -9,8 +9,7 @@ from oscarkv.assets import load_text
 from oscarkv.config import CacheConfig, QuantConfig
 from oscarkv.evaluation.niah import answer_of, build_cases, evaluate_niah, summarise
 
-# One parallel test worker runs this module, so that its module-scoped setup runs once.
-pytestmark = [pytest.mark.model, pytest.mark.xdist_group("test_niah")]
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")

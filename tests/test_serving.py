@@ -24,9 +24,6 @@ from oscarkv.integrations.slots import DenseSlotCache, PagedSlotCache
 from oscarkv.integrations.static_decode import forward_slots
 from tiny_models import VOCAB, tiny_model
 
-# One parallel test worker runs this module, so that its module-scoped setup runs once.
-pytestmark = pytest.mark.xdist_group("test_serving")
-
 SMALL = CacheConfig(sink_tokens=16, recent_tokens=32, page_size=16)
 
 

@@ -16,8 +16,7 @@ from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
 from oscarkv.errors import ArtifactError, InputTooLongError
 from oscarkv.evaluation.ppl import perplexity, window_nll
 
-# One parallel test worker runs this module, so that its module-scoped setup runs once.
-pytestmark = [pytest.mark.model, pytest.mark.xdist_group("test_smollm2")]
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,7 @@ from oscarkv.calibration.artifact import RotationArtifact
 from oscarkv.integrations.vllm_format import shared_cell_bytes
 from oscarkv.models import load_model, resolve_model
 
-# One parallel test worker runs this module, so that its module-scoped setup runs once.
-pytestmark = [pytest.mark.model, pytest.mark.xdist_group("test_vllm_plugin")]
+pytestmark = pytest.mark.model
 
 KV_SPACE_GIB = 1
 NEW_TOKENS = 16
