@@ -198,7 +198,7 @@ def _layer_buffers(run) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("d,gqa,batch,options", [(64, 1, 3, {}), (128, 2, 1, {}), (128, 1, 3, {"shift_block": 16}),
                                                  (64, 2, 1, {"key_inner": 0.36, "value_inner": 0.35})])
-def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, batch, options):
+def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, batch, options, monkeypatch):
     """Decode steps through one launch (queries, keys, the token's store and the flush) leave the cache, the
     queries and the rotated keys bit for bit as the query/key launch followed by the write launch does, at batch 1
     (one row per program) and 3 (a block of rows). The prompts put the first decode tokens in the sink (8 of 16),
@@ -219,24 +219,22 @@ def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, bat
     for run in runs:
         write_step(run.layer, run.cache.step(run.slots, prompts), k, v, run.rotation, run.mean, 0.96, 0.92)
     fused, unfused = runs
+    from oscarkv.kernels import triton_write
+    calls = []
+    launch_write = triton_write.launch_write
+    monkeypatch.setattr(triton_write, "launch_write", lambda *a, **kw: (calls.append(1), launch_write(*a, **kw))[1])
     for step in range(5):
         q, k, cos, sin, _, q_norm, k_norm = _inputs(batch, 2 * gqa, 2, d, torch.bfloat16, "none", True, seed=step)
         v = (torch.randn(batch, 2, d, generator=g)).to(DEVICE, torch.bfloat16)
         common = dict(q_norm=q_norm, k_norm=k_norm, key_mean=fused.mean, clip_k=0.96, clip_v=0.92, backend="triton")
-        calls = []
-        from oscarkv.kernels import triton_write
-        launch_write = triton_write.launch_write
-        triton_write.launch_write = lambda *a, **kw: (calls.append(1), launch_write(*a, **kw))[1]
-        try:
-            got = decode_query_key_write(fused.layer, fused.cache.step(fused.slots, [1] * batch), q, k, v, cos, sin,
-                                         fused.rotation, **common)
-            assert not calls, "the fused step launched the write kernel"
-            query, key = decode_query_key(q, k, cos, sin, unfused.rotation, q_norm, k_norm, backend="triton",
-                                          rotate_keys=True, key_mean=unfused.mean)
-            expected = (query, write_step(unfused.layer, unfused.cache.step(unfused.slots, [1] * batch), key, v,
-                                          None, None, 0.96, 0.92, backend="triton"))
-        finally:
-            triton_write.launch_write = launch_write
+        calls.clear()
+        got = decode_query_key_write(fused.layer, fused.cache.step(fused.slots, [1] * batch), q, k, v, cos, sin,
+                                     fused.rotation, **common)
+        assert not calls, "the fused step launched the write kernel"
+        query, key = decode_query_key(q, k, cos, sin, unfused.rotation, q_norm, k_norm, backend="triton",
+                                      rotate_keys=True, key_mean=unfused.mean)
+        expected = (query, write_step(unfused.layer, unfused.cache.step(unfused.slots, [1] * batch), key, v,
+                                      None, None, 0.96, 0.92, backend="triton"))
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
         after, before = _layer_buffers(fused), _layer_buffers(unfused)
         for name in after:

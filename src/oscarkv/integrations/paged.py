@@ -203,7 +203,7 @@ class PagedOscarLayer(AttendingLayer):
         quant = self.spec.quant
         query, self.new_keys = decode_query_key_write(
             self.owner.storage.layers[self.index], step, q, k, v, cos, sin, self.k_rotation, *norms,
-            key_mean=self.k_mean, clip_k=quant.clip_ratio_k, clip_v=quant.clip_ratio_v, backend=self.owner.backend)
+            key_mean=self.k_mean, clip_k=quant.clip_ratio_k, clip_v=quant.clip_ratio_v, backend=backend)
         self.step, self.new_values, self.fresh_kv = step, v, None
         self.length += 1
         return query

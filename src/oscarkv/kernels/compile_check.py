@@ -40,13 +40,11 @@ ROTATE_TYPES = dict(q_ptr=WINDOW, r_ptr="*fp32", out_ptr=WINDOW, rows="i32", n="
 GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", b0_ptr="*bf16", b1_ptr="*bf16",
                   b2_ptr="*bf16", y_ptr="*bf16", N0="i32", N1="i32", N2="i32")
 GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
-DECODE_QK_TYPES = dict(q_ptr=WINDOW, k_ptr=WINDOW, qw_ptr=WINDOW, kw_ptr=WINDOW, cos_ptr=WINDOW, sin_ptr=WINDOW,
-                       r_ptr="*fp32", mean_ptr="*fp32", q_out_ptr=WINDOW, k_out_ptr=WINDOW, rows="i32", q_eps="fp32", k_eps="fp32",
-                       stride_q="i32", stride_k="i32", stride_cos="i32", stride_sin="i32", v_ptr=WINDOW, stride_v="i32",
-                       **{name: WRITE_TYPES[name] for name in (
-                           "slots_ptr", "cu_ptr", "len_ptr", "bt_ptr", "bt_stride", "num_pages", "kc_ptr", "ks_ptr",
-                           "kz_ptr", "vc_ptr", "vs_ptr", "vz_ptr", "sink_k_ptr", "sink_v_ptr", "ring_k_ptr", "ring_v_ptr",
-                           "kshift_ptr", "num_blocks", "k_low", "k_high", "v_low", "v_high")})
+# The query/key launch's cache-write arguments are the write kernel's (`compile_kernel` reads only its own names).
+DECODE_QK_TYPES = {**WRITE_TYPES, **dict(
+    q_ptr=WINDOW, k_ptr=WINDOW, qw_ptr=WINDOW, kw_ptr=WINDOW, cos_ptr=WINDOW, sin_ptr=WINDOW, r_ptr="*fp32",
+    mean_ptr="*fp32", q_out_ptr=WINDOW, k_out_ptr=WINDOW, rows="i32", q_eps="fp32", k_eps="fp32", stride_q="i32",
+    stride_k="i32", stride_cos="i32", stride_sin="i32", stride_v="i32")}
 DENSE_KV_TYPES = dict(
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16", shift_ptr="*fp32",
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, k_new_ptr=WINDOW, v_new_ptr=WINDOW,
