@@ -33,20 +33,23 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
            num_splits: int | None = None, window_splits: int | None = None, values=None, key_offset: float = 0.0,
-           row_groups: int | None = None, extend: str = "auto", block_m: int | None = None, **run_options) -> None:
+           row_groups: int | None = None, extend: str | list[str] = "auto", block_m: int | None = None,
+           **run_options) -> None:
     """`values`: a function mapping each random k and v to the values the step writes (default: as drawn);
     key_offset: added to every key (with `mean_offset`, keys near a large μ_K); extend, block_m: `attend_step`'s
-    path for steps of several tokens and the kernel's query rows per program."""
+    path for steps of several tokens (one for every step, or one per step) and the kernel's query rows per
+    program."""
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
     torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
     g = torch.Generator().manual_seed(7)
-    for new_tokens in steps:
+    paths = [extend] * len(steps) if isinstance(extend, str) else extend
+    for new_tokens, path in zip(steps, paths, strict=True):
         q, k, v = random_step(layout, query_heads, new_tokens, g, dtype=dtype, device=DEVICE)
         if values is not None:
             k, v = values(k), values(v)
         k = (k.float() + key_offset).to(dtype)
         out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
-                                               window_splits=window_splits, row_groups=row_groups, extend=extend,
+                                               window_splits=window_splits, row_groups=row_groups, extend=path,
                                                block_m=block_m)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
         # Rotated keys: float32 rotation then one rounding to BF16; the summation order may
@@ -82,19 +85,21 @@ def test_kernels_match_reference_across_shapes(head_dim, group, gqa, key_bits, v
 
 
 @pytest.mark.parametrize(
-    "head_dim,group,gqa,key_bits,value_bits,key_inner,value_inner,num_splits",
-    [(64, 64, 1, 2, 2, 0.37, 0.39, None), (64, 32, 3, 2, 2, 0.41, None, 1), (128, 64, 4, 2, 2, 0.36, 0.36, None),
-     (128, 128, 8, 2, 2, None, 0.40, 3), (256, 128, 4, 2, 2, 0.35, 0.38, None),
+    "head_dim,group,gqa,key_bits,value_bits,key_inner,value_inner,num_splits,extend",
+    [(64, 64, 1, 2, 2, 0.37, 0.39, None, "auto"), (64, 32, 3, 2, 2, 0.41, None, 1, "auto"),
+     (128, 64, 4, 2, 2, 0.36, 0.36, None, "auto"), (256, 128, 4, 2, 2, 0.35, 0.38, None, "auto"),
+     # GQA 8 over three decode splits: the prompts through the dequantizing path (the fused kernel's are above)
+     (128, 128, 8, 2, 2, None, 0.40, 3, "dequantize"),
      # Lloyd–Max levels on the INT2 stream beside an INT4 one (sliced and plain paths)
-     (128, 64, 2, 4, 2, None, 0.38, None), (64, 64, 2, 2, 4, 0.38, None, 1)],
+     (128, 64, 2, 4, 2, None, 0.38, None, "auto"), (64, 64, 2, 2, 4, 0.38, None, 1, "auto")],
 )
 def test_lloyd_max_levels_match_reference(head_dim, group, gqa, key_bits, value_bits, key_inner, value_inner,
-                                          num_splits):
+                                          num_splits, extend):
     """Codes at Lloyd–Max levels (`--levels lloyd`): the write kernel's thresholds and the attention
     kernels' extra high-bit dots against the torch reference, prompts then decode across flushes."""
     layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, key_bits=key_bits, value_bits=value_bits,
                          key_inner=key_inner, value_inner=value_inner, **SMALL)
-    _drive(layout, 2 * gqa, [[15, 70, 0], [1, 47, 33], [1, 1, 1], [1, 1, 1]], num_splits=num_splits)
+    _drive(layout, 2 * gqa, [[15, 70, 0], [1, 47, 33], [1, 1, 1], [1, 1, 1]], num_splits=num_splits, extend=extend)
 
 
 def test_lloyd_max_levels_change_what_is_read():
@@ -350,13 +355,16 @@ def test_queries_keep_their_precision_on_outlier_keys():
             assert (kernel - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
-@pytest.mark.parametrize("head_dim,group,shift_block,num_splits", [(64, 64, 32, None), (128, 64, 40, None),
-                                                                   (128, 128, 48, 5)])
-def test_key_shifts_of_rope_centering(head_dim, group, shift_block, num_splits):
+@pytest.mark.parametrize("head_dim,group,shift_block,num_splits,extend", [
+    (64, 64, 32, None, "auto"), (128, 64, 40, None, "auto"),
+    # five decode splits: the prompts through the dequantizing path (the fused kernel's: the cases above)
+    (128, 128, 48, 5, "dequantize")])
+def test_key_shifts_of_rope_centering(head_dim, group, shift_block, num_splits, extend):
     """History keys stored minus the shift of their page's block and read plus it, across several
     blocks (40 and 48 are not multiples of the 16-token page: the page's first position decides)."""
     layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=group, **SMALL)
-    _drive(layout, 8, [[150, 90], [1, 1], [30, 1], [1, 1]], num_splits=num_splits, shift_block=shift_block)
+    _drive(layout, 8, [[150, 90], [1, 1], [30, 1], [1, 1]], num_splits=num_splits, shift_block=shift_block,
+           extend=extend)
 
 
 @pytest.mark.parametrize("head_dim,group,gqa", [(64, 64, 2), (128, 128, 4)])
@@ -528,22 +536,27 @@ def test_row_groups_only_for_long_decode_splits():
 def test_decode_windows_shared_by_several_splits():
     """Small-batch decode: the sink, the ring's 2-3 blocks of 64 and the step's token spread over 3
     window splits (every 3rd ring block; sink to the first, the new token to the last), history
-    over 4. (Sliding windows with splits: test_sequence_splits_and_sliding_window.)"""
+    over 4; then a short chunk in the fused kernel with the same splits. (Sliding windows with splits:
+    test_sequence_splits_and_sliding_window.) The prompts go through the dequantizing extend path, which is
+    cheaper in the CPU interpreter."""
     layout = PagedLayout(kv_heads=1, head_dim=128, group_size=128, page_size=16, sink_tokens=16, recent_tokens=128)
-    _drive(layout, 4, [[300, 220], [1, 1], [1, 1]], num_splits=7, window_splits=3)
+    _drive(layout, 4, [[300, 220], [1, 1], [3, 2], [1, 1]], num_splits=7, window_splits=3,
+           extend=["dequantize", "auto", "fused", "auto"])
 
 
 @pytest.mark.parametrize("window_splits,window", [(5, 0), (3, 150)])
 def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window):
     """One-warp window programs read 16-key blocks: the 64-token sink's four blocks go round the window
     splits with the ring's (5 splits: one takes no sink block), the combine merges 32 channels per
-    program; with a sliding window that starts inside the ring."""
+    program; with a sliding window that starts inside the ring; then a short chunk in the fused kernel with the
+    same plan. The prompts go through the dequantizing extend path, which is cheaper in the CPU interpreter."""
     from oscarkv.kernels.ops import COMBINE_CHANNELS, WindowPlan
 
     assert COMBINE_CHANNELS == 32  # head_dim 128: four combine programs per row
     layout = PagedLayout(kv_heads=1, head_dim=128, group_size=128, page_size=16, sink_tokens=64, recent_tokens=128)
-    _drive(layout, 4, [[230, 70, 40], [1, 1, 1], [1, 1, 0]], num_splits=window_splits + 2,
-           window_splits=WindowPlan(window_splits, warps=1, block_n=16), window=window)
+    _drive(layout, 4, [[230, 70, 40], [1, 1, 1], [1, 1, 0], [2, 0, 3]], num_splits=window_splits + 2,
+           window_splits=WindowPlan(window_splits, warps=1, block_n=16), window=window,
+           extend=["dequantize", "auto", "auto", "fused"])
 
 
 @pytest.mark.parametrize("page,options", [(16, {}), (16, dict(shift_block=32, per_head_rotation=True)), (64, {})])

@@ -9,7 +9,8 @@ VOCAB = 128
 
 def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtype=torch.float32, seed: int = 0,
                attention_scale: float = 1.0, value_scale: float = 1.0, layers: int | None = None):
-    """A 2-4 layer model of `family` with random weights.
+    """A 2-4 layer model of `family` with random weights (`layers`: another count; Gemma 3's are sliding,
+    sliding, full, sliding).
 
     bias_scale: adds Qwen2-like k/v biases: a large offset on a few channels of every KV head
     (real QKV-bias models concentrate their offset that way), plus small noise elsewhere.
@@ -32,10 +33,9 @@ def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtyp
     elif family == "qwen3":
         config, cls = tf.Qwen3Config(**common), tf.Qwen3ForCausalLM
     elif family == "gemma3":
-        common.update(num_hidden_layers=4, num_key_value_heads=1)
-        config = tf.Gemma3TextConfig(**common, sliding_window=24,
-                                     layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                                  "sliding_attention"])
+        common.update(num_hidden_layers=layers or 4, num_key_value_heads=1)
+        types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        config = tf.Gemma3TextConfig(**common, sliding_window=24, layer_types=types[:common["num_hidden_layers"]])
         cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(family)
