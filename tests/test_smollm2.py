@@ -64,19 +64,20 @@ def test_rotations_and_absorption_keep_logits(artifact, smollm2, news_tokens):
 
 
 def test_perplexity_equals_token_by_token_decoding(artifact, smollm2, news_tokens):
+    """The scored tokens of a window, decoded one by one, give the window's perplexity. The first 321 tokens fill
+    the 64-token sink and the 256-token recent window in one prefill (one token reaches the INT2 history); then
+    each of the 78 decode steps moves one more token into the history."""
     model, _ = smollm2
-    # Small windows (16 + 64 tokens), so that 159 decode steps reach far into the INT2 history.
-    oscarkv.patch(model, artifact, cache=CacheConfig(sink_tokens=16, recent_tokens=64, page_size=16))
-    window = news_tokens[:160]
-    nll, count, _ = window_nll(model, window, 80)
+    oscarkv.patch(model, artifact)
+    window = news_tokens[:400]
+    nll, count, _ = window_nll(model, window, 320)
     cache = model.oscar.new_cache()
-    total = 0.0
     with torch.no_grad():
-        for i in range(159):
-            logits = model(window[None, i : i + 1], past_key_values=cache).logits[0, -1]
-            if i >= 80:
-                total += float(torch.nn.functional.cross_entropy(logits[None], window[i + 1 : i + 2]))
-    assert count == 79
+        logits = [model(window[None, :321], past_key_values=cache).logits[0, -1]]
+        for i in range(321, 399):
+            logits.append(model(window[None, i : i + 1], past_key_values=cache).logits[0, -1])
+    total = float(torch.nn.functional.cross_entropy(torch.stack(logits), window[321:400], reduction="sum"))
+    assert count == 79 and len(logits) == 79
     # fp32 rounding can flip an INT2 code between the two paths; the perplexities agree closely.
     assert math.isclose(math.exp(nll / count), math.exp(total / 79), rel_tol=5e-3)
 
