@@ -111,7 +111,7 @@ def test_lloyd_max_levels_change_what_is_read():
         run = PagedRun(layout, 1, 1024, 2, "triton", device=DEVICE)
         g = torch.Generator().manual_seed(3)
         q, k, v = random_step(layout, 2, [200], g, device=DEVICE)
-        run.step([200], q, k, v)
+        run.step([200], q, k, v, extend="dequantize")  # the prompt's attention (not read here): the cheaper path
         reads[inner] = (_stored(run, run.slots[0])[1][:, 16:136].cpu(), v[16:136].transpose(0, 1).float().cpu())
     (uniform, exact), (lloyd, _) = reads[None], reads[0.38]
     assert not torch.equal(uniform, lloyd)
@@ -163,8 +163,8 @@ def test_dequantized_extend_matches_reference(head_dim, group, gqa, key_bits, va
     _drive(layout, 2 * gqa, steps, dtype=torch.bfloat16, window=window, extend="dequantize", shift_block=shift_block)
     run = PagedRun(layout, 2, 1024, 2 * gqa, "triton", device=DEVICE, shift_block=shift_block)
     g = torch.Generator().manual_seed(5)
-    for new_tokens in ([90, 150],):
-        run.step(new_tokens, *random_step(layout, 2 * gqa, new_tokens, g, device=DEVICE))
+    for new_tokens in ([90, 150],):  # the stored history is what this checks (its attention: the path under test)
+        run.step(new_tokens, *random_step(layout, 2 * gqa, new_tokens, g, device=DEVICE), extend="dequantize")
     for slot in run.slots:
         stored = run.cache.lengths[slot]
         end = layout.history_end(stored)
@@ -337,7 +337,7 @@ def test_clip_threshold_far_below_outliers():
     over raw keys with such outliers is ill-conditioned.)"""
     for runs, new_tokens, q, k, v in _outlier_steps():
         for run in runs:
-            run.step(new_tokens, q, k, v)
+            run.step(new_tokens, q, k, v, extend="dequantize")
         layers = [run.layer for run in runs]
         for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"):
             kernel, reference = getattr(layers[0], name), getattr(layers[1], name)
@@ -575,7 +575,7 @@ def test_flush_moves_aged_ring_tokens_a_page_at_a_time():
     run = PagedRun(layout, 1, 256, 1, "triton", device=DEVICE)
     g = torch.Generator().manual_seed(0)
     q, k, v = random_step(layout, 1, [60], g, device=DEVICE)
-    run.step([60], q, k, v)
+    run.step([60], q, k, v, extend="dequantize")  # the prompt's attention is not read here
     for length in range(61, 82):  # decode across the flushes at 64 and 80
         q, k, v = random_step(layout, 1, [1], g, device=DEVICE)
         run.step([1], q, k, v)
@@ -644,7 +644,7 @@ def test_unvalidated_page_out_of_range_adds_nothing(head_dim, num_splits):
     layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=head_dim, **SMALL)
     run = PagedRun(layout, 1, 256, 8, "triton", device=DEVICE)
     g = torch.Generator().manual_seed(3)
-    run.step([200], *random_step(layout, 8, [200], g, dtype=torch.float32, device=DEVICE))
+    run.step([200], *random_step(layout, 8, [200], g, dtype=torch.float32, device=DEVICE), extend="dequantize")
     q, k, v = random_step(layout, 8, [1], g, dtype=torch.float32, device=DEVICE)
     batch = run.cache.step(run.slots, [1])
     k_rot = write_step(run.layer, batch, k, v, run.rotation, run.mean, run.clip_k, run.clip_v, backend="triton")
