@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,9 @@ import torch
 from ..calibration.artifact import ModelIdentity, RotationArtifact
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
+
+# A child of vLLM's "vllm" logger, so its lines come out in vLLM's format beside vLLM's own.
+logger = logging.getLogger("vllm.oscarkv")
 
 CONFIG_KEY = "oscarkv"
 SETTING_KEYS = ("rotations", "sink_tokens", "recent_tokens", "window_lanes", "key_centering")
@@ -155,6 +159,20 @@ def absorb_into_vllm_model(model: torch.nn.Module, settings: PluginSettings, vll
                 qkv.bias = torch.nn.Parameter(bias, requires_grad=False)
             if o_bias is not None:
                 o.bias = torch.nn.Parameter(o_bias.to(dtype), requires_grad=False)
+    _log_active(settings, blocks[0][1].attn.head_size)
+
+
+def _log_active(settings: PluginSettings, head_dim: int) -> None:
+    """One line that says the plugin is on (a vLLM that cannot import oscarkv serves stock vLLM)."""
+    from .vllm_format import shared_cell_bytes
+
+    artifact, cache = settings.artifact, settings.cache
+    bits = sorted({(layer.key_bits, layer.value_bits) for layer in artifact.layers})
+    logger.info("oscarkv: OSCAR KV cache on: %s checked against the model, R_V folded into %d layers; history in "
+                "%d-byte cells per (token, KV head), (key, value) bits %s, group %d; %s sink %d + recent %d tokens",
+                settings.rotations, len(artifact.layers), shared_cell_bytes(head_dim, artifact.group_size, bits),
+                bits, artifact.group_size, str(cache.window_dtype).removeprefix("torch."), cache.sink_tokens,
+                cache.recent_tokens)
 
 
 def _hook_weight_processing() -> None:
