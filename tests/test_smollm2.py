@@ -12,7 +12,6 @@ import oscarkv
 from oscarkv import CacheConfig, QuantConfig
 from oscarkv.assets import news_articles
 from oscarkv.calibration.artifact import RotationArtifact
-from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
 from oscarkv.errors import ArtifactError, InputTooLongError
 from oscarkv.evaluation.ppl import perplexity, window_nll
 
@@ -20,17 +19,8 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def artifact(smollm2, tmp_path_factory):
-    model, tokenizer = smollm2
-    if hasattr(model, "oscar"):
-        pytest.skip("model already patched by another module")
-    from oscarkv.assets import wiki_articles
-
-    tokens = tokenizer("\n\n".join(wiki_articles()[:3]), return_tensors="pt").input_ids[0]
-    art = calibrate(model, tokens, QuantConfig(group_size=64), CalibrationConfig(chunk_tokens=512, max_chunks=2),
-                    sources=["wiki[:3]"], show_progress=False)
-    path = art.save(tmp_path_factory.mktemp("rot") / "smol.safetensors")
-    return path
+def artifact(smollm2_artifact):
+    return smollm2_artifact
 
 
 @pytest.fixture(scope="module")
