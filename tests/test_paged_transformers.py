@@ -71,21 +71,21 @@ def test_paged_generation_kernels_equal_torch_references(per_head):
     """A prompt written straight into pages, then greedy decoding across a page flush (at 80):
     Triton kernels vs their torch references (also with one key rotation per KV head)."""
     model = _patched("llama", per_head=per_head)
-    ids = _ids(70).to(DEVICE)
+    ids = _ids(76).to(DEVICE)
     outputs = []
     for backend in ("auto", "torch"):
         state = model.oscar
         cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 256, backend=backend)
         with torch.no_grad():
-            outputs.append(model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False))
-        assert cache.storage.allocator.used_pages == cache.layouts[0].pages_needed(70 + 12 - 1)
+            outputs.append(model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False))
+        assert cache.storage.allocator.used_pages == cache.layouts[0].pages_needed(76 + 6 - 1)
     assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_bfloat16_model_kernels_equal_torch_references(per_head):
     """A bfloat16 model: its keys take the write kernel's bfloat16-piece rotation, prepared once per
-    layer. The same 82 tokens (a 70-token prompt into pages, then 12 decode steps across a flush)
+    layer. The same 82 tokens (a 76-token prompt into pages, then 6 decode steps across a flush)
     through the Triton kernels and through their torch references give the same logits, up to
     bfloat16 rounding. (Greedy tokens are no test here: this tiny random model's bfloat16 logits tie
     exactly at some steps, with or without the pieces.)"""
@@ -96,8 +96,8 @@ def test_bfloat16_model_kernels_equal_torch_references(per_head):
         state = model.oscar
         cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 256, backend=backend)
         with torch.no_grad():
-            steps = [model(ids[:, :70], past_key_values=cache).logits[:, -1:]]
-            steps += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(70, 82)]
+            steps = [model(ids[:, :76], past_key_values=cache).logits[:, -1:]]
+            steps += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(76, 82)]
         logits[backend] = torch.cat(steps, 1).float()
         assert all(layer.rotation_pieces is not None for layer in cache.layers)
     assert (logits["auto"] - logits["torch"]).abs().max() < 2e-2
@@ -107,15 +107,15 @@ def _prompt_then_decode_logits(model, backend: str, ids) -> torch.Tensor:
     state = model.oscar
     cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 256, backend=backend)
     with torch.no_grad():
-        steps = [model(ids[:, :70], past_key_values=cache).logits[:, -1:]]
-        steps += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(70, 82)]
+        steps = [model(ids[:, :76], past_key_values=cache).logits[:, -1:]]
+        steps += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(76, 82)]
     return torch.cat(steps, 1).float()
 
 
 def test_lloyd_max_levels_through_the_paged_model():
     """An artifact whose INT2 streams take Lloyd–Max levels (`calibrate --levels lloyd`): the paged
-    cache writes and reads them with the kernels as its torch references do (prompt into pages,
-    decode across a flush), and the levels reach the logits (they differ from uniform levels)."""
+    cache writes and reads them with the kernels as its torch references do (a 76-token prompt into
+    pages, 6 decode steps across a flush), and the levels reach the logits (they differ from uniform levels)."""
     ids = _ids(82).to(DEVICE)
     model = _patched("llama", inner=0.39)
     assert all(spec.key_inner == 0.39 and spec.value_inner == 0.39 for spec in model.oscar.specs)
