@@ -20,6 +20,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def artifact(smollm2_artifact):
+    """The session's SmolLM2 artifact (conftest.py), which test_vllm_plugin.py shares."""
     return smollm2_artifact
 
 
