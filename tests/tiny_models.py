@@ -9,8 +9,8 @@ VOCAB = 128
 
 def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtype=torch.float32, seed: int = 0,
                attention_scale: float = 1.0, value_scale: float = 1.0, layers: int | None = None):
-    """A 2-4 layer model of `family` with random weights (`layers`: another count; Gemma 3's are sliding,
-    sliding, full, sliding).
+    """A model of `family` with random weights and `layers` layers (default 2; Gemma 3: 4, whose types
+    repeat sliding, sliding, full, sliding).
 
     bias_scale: adds Qwen2-like k/v biases: a large offset on a few channels of every KV head
     (real QKV-bias models concentrate their offset that way), plus small noise elsewhere.
@@ -20,10 +20,9 @@ def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtyp
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    layers = layers or (4 if family == "gemma3" else 2)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512)
-    if layers is not None:
-        common["num_hidden_layers"] = layers
     if family == "llama":
         config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif family == "mistral":
@@ -33,9 +32,9 @@ def tiny_model(family: str, *, head_dim: int = 32, bias_scale: float = 0.0, dtyp
     elif family == "qwen3":
         config, cls = tf.Qwen3Config(**common), tf.Qwen3ForCausalLM
     elif family == "gemma3":
-        common.update(num_hidden_layers=layers or 4, num_key_value_heads=1)
+        common.update(num_key_value_heads=1)
         types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-        config = tf.Gemma3TextConfig(**common, sliding_window=24, layer_types=types[:common["num_hidden_layers"]])
+        config = tf.Gemma3TextConfig(**common, sliding_window=24, layer_types=[types[i % 4] for i in range(layers)])
         cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(family)
