@@ -59,8 +59,13 @@ def test_answer_parsing():
     assert answer_of("no passcode\n123456") == ""  # only the first line counts
 
 
-def test_cli_rejects_a_depth_outside_0_1():
+def test_cli_rejects_a_depth_outside_0_1_before_loading_the_model(capsys):
     done = subprocess.run([sys.executable, "-m", "oscarkv.cli", "eval", "niah", "smollm2-135m", "--methods", "bf16",
                            "--depths", "0.5,1.5"], capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    assert "between 0 and 1" in done.stderr
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["oscarkv: error: --depths 0.5,1.5: each depth is a fraction of the "
+                                                "haystack, between 0 and 1."]  # no loading bar: nothing loaded
+    from oscarkv.cli import main
+
+    assert main(["eval", "niah", "smollm2-135m", "--depths", "0.5,x"]) == 2
+    assert "--depths '0.5,x': expected floats separated by commas" in capsys.readouterr().err

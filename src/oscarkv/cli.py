@@ -214,12 +214,21 @@ def cmd_eval_ppl(args) -> int:
     return 0
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def _numbers(text: str, kind: type, option: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        example = "0,0.5,1" if kind is float else "4096,8192"
+        raise OscarError(f"{option} {text!r}: expected {kind.__name__}s separated by commas, such as {example}.") \
+            from None
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def _floats(text: str, option: str) -> list[float]:
+    return _numbers(text, float, option)
+
+
+def _ints(text: str, option: str) -> list[int]:
+    return _numbers(text, int, option)
 
 
 def _print_json_lines(results: list, rows: list[dict], kind: str, **summary_fields) -> None:
@@ -231,6 +240,9 @@ def _print_json_lines(results: list, rows: list[dict], kind: str, **summary_fiel
 
 
 def cmd_eval_niah(args) -> int:
+    depths, lengths = _floats(args.depths, "--depths"), _ints(args.lengths, "--lengths")  # before anything loads
+    if any(not 0 <= d <= 1 for d in depths):
+        raise OscarError(f"--depths {args.depths}: each depth is a fraction of the haystack, between 0 and 1.")
     from .assets import load_text
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
@@ -242,10 +254,7 @@ def cmd_eval_niah(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device)
     quant = _quant_config(args, attention_shape(model).head_dim, artifact)
     cache = CacheConfig(key_centering=args.key_centering, kernel=args.kernel)
-    depths = _floats(args.depths)
-    if any(not 0 <= d <= 1 for d in depths):
-        raise OscarError(f"--depths {args.depths}: each depth is a fraction of the haystack, between 0 and 1.")
-    cases = build_cases(tokenizer, load_text(args.text), _ints(args.lengths), depths, args.trials, cache,
+    cases = build_cases(tokenizer, load_text(args.text), lengths, depths, args.trials, cache,
                         required_bos(model, tokenizer), args.seed)
     results = evaluate_niah(model, tokenizer, cases, methods, quant, cache, artifact)
     rows = summarise(results)
@@ -397,7 +406,8 @@ def cmd_bench_decode(args) -> int:
 
         from .benchmarks.decode import Settings, run
 
-        settings = Settings(args.model, tuple(_ints(args.contexts)), args.batch, tuple(_ints(args.batch_contexts)),
+        contexts, batch_contexts = _ints(args.contexts, "--contexts"), _ints(args.batch_contexts, "--batch-contexts")
+        settings = Settings(args.model, tuple(contexts), args.batch, tuple(batch_contexts),
                             not args.no_largest, args.prefill, steps=args.steps,
                             compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas)
         with tqdm(desc="bench decode", bar_format="{desc}: {elapsed} {postfix}", disable=args.json) as bar:
