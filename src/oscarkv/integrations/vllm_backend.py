@@ -32,14 +32,8 @@ from ..cache.mixed import LayerSpec
 from ..calibration.rotations import rotate_heads
 from ..errors import OscarError
 from .transformers import layer_specs, with_key_shifts
-from .vllm_format import CellFormat, LaneMap, RequestWindows, attend_chunk, shared_cell_bytes
+from .vllm_format import CellFormat, LaneMap, RequestWindows, attend_chunk
 from .vllm_plugin import PluginSettings, active_settings
-
-
-def _cell_bytes(settings: PluginSettings, head_dim: int) -> int:
-    artifact = settings.artifact
-    bits = [(layer.key_bits, layer.value_bits) for layer in artifact.layers]
-    return shared_cell_bytes(head_dim, artifact.group_size, bits)
 
 
 class OscarCPUAttentionBackend(CPUAttentionBackend):
@@ -53,7 +47,7 @@ class OscarCPUAttentionBackend(CPUAttentionBackend):
         settings = active_settings()
         if settings is None or spec.state_content_bytes is not None:
             return spec
-        cell = _cell_bytes(settings, spec.head_size)
+        cell = settings.cell_bytes(spec.head_size)
         if cell % spec.dtype.itemsize:
             raise OscarError(f"a {cell}-byte cell cannot be viewed as {spec.dtype}.")
         return replace(spec, state_content_bytes=cell)
@@ -152,7 +146,7 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
                                    lambda kind: rope.config_inverse_frequencies(self.model_config.hf_config,
                                                                                 self.head_size))[0]
             cells = CellFormat(self.head_size, spec.quant.group_size, spec.key_bits, spec.value_bits,
-                               cell_bytes=_cell_bytes(settings, self.head_size), key_inner=spec.key_inner,
+                               cell_bytes=settings.cell_bytes(self.head_size), key_inner=spec.key_inner,
                                value_inner=spec.value_inner)
             cache = settings.cache
             windows = RequestWindows(self.lanes, self.num_kv_heads, self.head_size, cache.sink_tokens,

@@ -56,6 +56,17 @@ class PluginSettings:
         a = self.artifact
         return QuantConfig(a.group_size, a.clip_ratio_k, a.clip_ratio_v)
 
+    @property
+    def layer_bits(self) -> list[tuple[int, int]]:
+        """(key bits, value bits) of each layer of the artifact."""
+        return [(layer.key_bits, layer.value_bits) for layer in self.artifact.layers]
+
+    def cell_bytes(self, head_dim: int) -> int:
+        """Bytes of one (token, KV head) cell in vLLM's pages: the widest layer's (every layer has one size)."""
+        from .vllm_format import shared_cell_bytes
+
+        return shared_cell_bytes(head_dim, self.artifact.group_size, self.layer_bits)
+
 
 @functools.cache
 def _parse(text: str) -> PluginSettings:
@@ -164,15 +175,12 @@ def absorb_into_vllm_model(model: torch.nn.Module, settings: PluginSettings, vll
 
 def _log_active(settings: PluginSettings, head_dim: int) -> None:
     """One line that says the plugin is on (a vLLM that cannot import oscarkv serves stock vLLM)."""
-    from .vllm_format import shared_cell_bytes
-
-    artifact, cache = settings.artifact, settings.cache
-    bits = sorted({(layer.key_bits, layer.value_bits) for layer in artifact.layers})
+    cache = settings.cache
     logger.info("oscarkv: OSCAR KV cache on: %s checked against the model, R_V folded into %d layers; history in "
                 "%d-byte cells per (token, KV head), (key, value) bits %s, group %d; %s sink %d + recent %d tokens",
-                settings.rotations, len(artifact.layers), shared_cell_bytes(head_dim, artifact.group_size, bits),
-                bits, artifact.group_size, str(cache.window_dtype).removeprefix("torch."), cache.sink_tokens,
-                cache.recent_tokens)
+                settings.rotations, len(settings.artifact.layers), settings.cell_bytes(head_dim),
+                sorted(set(settings.layer_bits)), settings.artifact.group_size,
+                str(cache.window_dtype).removeprefix("torch."), cache.sink_tokens, cache.recent_tokens)
 
 
 def _hook_weight_processing() -> None:
