@@ -92,3 +92,40 @@ def test_kivi2_refuses_left_padding_and_the_paged_cache():
     model.oscar.cache = CacheConfig(sink_tokens=4, recent_tokens=8, key_grouping="channel", kernel="paged")
     with pytest.raises(OscarError, match="kivi2"):
         model.oscar.uses_paged(torch.device("cuda"))
+
+
+def test_a_method_list_that_cannot_run_fails_before_any_method_runs(monkeypatch):
+    """`eval ppl --methods bf16,oscar` without an artifact used to score every BF16 window (minutes on a real
+    model) and only then refuse 'oscar'; likewise an unknown name or an artifact of another model."""
+    import pytest
+
+    import oscarkv.evaluation.ppl as ppl
+    from oscarkv.errors import ArtifactError, OscarError
+    from oscarkv.methods import check_methods, data_free_artifact
+
+    check_methods(["bf16", "naive", "oscar"], have_artifact=True)
+    for names, have, message in [
+        ([], False, "no method given"),
+        (["bf16", "foo", "bar"], True, "unknown methods 'foo', 'bar'; choose from bf16, oscar,"),
+        (["bf16", "oscar"], False, "method 'oscar' needs a rotations artifact: pass --rotations FILE"),
+        (["oscar", "oscar-paper"], False, "methods 'oscar', 'oscar-paper' need a rotations artifact"),
+    ]:
+        with pytest.raises(OscarError, match=message):
+            check_methods(names, have)
+
+    model = tiny_model("llama", head_dim=32)
+    other = data_free_artifact(tiny_model("qwen2", head_dim=32), "hadamard", QuantConfig(group_size=32))
+    ids = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(0))
+    scored = []
+    monkeypatch.setattr(ppl, "perplexity", lambda *args, **kwargs: scored.append(kwargs["desc"]) or (1.0, 1, 0))
+    cache = CacheConfig(sink_tokens=4, recent_tokens=8)
+    for methods, artifact, error in [(["bf16", "oscar"], None, OscarError), (["bf16", "naive", "nope"], None, OscarError),
+                                     (["bf16", "oscar"], other, ArtifactError)]:
+        with pytest.raises(error):
+            evaluate_methods(model, ids, methods, QuantConfig(group_size=32), cache, context=50, max_tokens=None,
+                             artifact=artifact)
+        assert scored == [], methods
+    # An artifact the methods do not read is not checked, and every method then runs, in order.
+    evaluate_methods(model, ids, ["bf16", "naive"], QuantConfig(group_size=32), cache, context=50, max_tokens=None,
+                     artifact=other)
+    assert scored == ["bf16", "naive"]

@@ -69,3 +69,18 @@ def test_cli_rejects_a_depth_outside_0_1_before_loading_the_model(capsys):
 
     assert main(["eval", "niah", "smollm2-135m", "--depths", "0.5,x"]) == 2
     assert "--depths '0.5,x': expected floats separated by commas" in capsys.readouterr().err
+
+
+def test_eval_commands_refuse_a_method_list_that_cannot_run_before_loading_the_model(capsys):
+    from oscarkv.cli import main
+
+    for command in ("ppl", "niah", "code"):
+        for methods, line in [
+            ("bf16,oscar", "oscarkv: error: method 'oscar' needs a rotations artifact: pass --rotations FILE (make "
+                           "one with `oscarkv calibrate MODEL --out FILE`)."),
+            ("bf16,bf17", "oscarkv: error: unknown method 'bf17'; choose from bf16, oscar, oscar-paper, naive, "
+                          "hadamard, kivi2, int4, fp8, turboquant3."),
+        ]:
+            capsys.readouterr()
+            assert main(["eval", command, "smollm2-135m", "--methods", methods]) == 2, (command, methods)
+            assert capsys.readouterr().err.strip().splitlines() == [line], (command, methods)  # no loading bar

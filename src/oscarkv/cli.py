@@ -207,8 +207,17 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     return rows
 
 
-def cmd_eval_ppl(args) -> int:
+def _methods(args) -> list[str]:
+    """--methods as a list, checked before anything loads (`methods.check_methods`)."""
+    from .methods import check_methods
+
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_methods(methods, args.rotations is not None)
+    return methods
+
+
+def cmd_eval_ppl(args) -> int:
+    methods = _methods(args)
     run_ppl(args.model, methods, args.rotations, args.text, args.context, args.max_tokens, args, args.device,
             args.json, args.plot, args.max_bits, args.key_centering, args.kernel)
     return 0
@@ -243,13 +252,13 @@ def cmd_eval_niah(args) -> int:
     depths, lengths = _floats(args.depths, "--depths"), _ints(args.lengths, "--lengths")  # before anything loads
     if any(not 0 <= d <= 1 for d in depths):
         raise OscarError(f"--depths {args.depths}: each depth is a fraction of the haystack, between 0 and 1.")
+    methods = _methods(args)
     from .assets import load_text
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.niah import build_cases, evaluate_niah, summarise
     from .models import attention_shape, load_model, required_bos
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
     model, tokenizer = load_model(args.model, device=args.device)
     quant = _quant_config(args, attention_shape(model).head_dim, artifact)
@@ -279,12 +288,12 @@ def cmd_eval_niah(args) -> int:
 
 
 def cmd_eval_code(args) -> int:
+    methods = _methods(args)
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.code import evaluate_code, load_problems, summarise
     from .models import attention_shape, load_model
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
     cache = CacheConfig(sink_tokens=args.sink, recent_tokens=args.recent, key_centering=args.key_centering,
                         kernel=args.kernel)

@@ -17,6 +17,7 @@ from .errors import OscarError
 from .models import attention_shape, model_identity
 
 METHODS = ("bf16", "oscar", "oscar-paper", "naive", "hadamard", "kivi2", "int4", "fp8", "turboquant3")
+ARTIFACT_METHODS = ("oscar", "oscar-paper")  # the methods that read a calibrated rotations artifact
 # What `oscarkv serve` runs: the token-grouped INT methods on the paged cache, bf16 on the dense one.
 SERVE_METHODS = ("oscar", "oscar-paper", "naive", "hadamard", "int4", "bf16")
 DESCRIPTIONS = {
@@ -89,9 +90,33 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
     if name == "fp8":
         return MethodSetup(name, data_free_artifact(model, "identity", quant), quant,
                            replace(cache, quantize_history=False, history_dtype=torch.float8_e4m3fn))
-    if name in ("oscar", "oscar-paper"):
-        if artifact is None:
-            raise OscarError(f"method {name!r} needs a rotations artifact: pass --rotations FILE "
-                             "(make one with `oscarkv calibrate MODEL --out FILE`).")
+    if name in ARTIFACT_METHODS:
+        check_methods([name], artifact is not None)
         return MethodSetup(name, artifact if name == "oscar" else artifact.paper_variant(), quant, cache)
     raise OscarError(f"unknown method {name!r}; choose from {', '.join(METHODS)}.")
+
+
+def check_methods(names: list[str], have_artifact: bool) -> None:
+    """Refuse a method list that cannot run, before anything loads: no method, an unknown name, or a method
+    that reads a rotations artifact (ARTIFACT_METHODS) when none is given."""
+    if not names:
+        raise OscarError(f"no method given; choose from {', '.join(METHODS)}.")
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise OscarError(f"unknown method{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(METHODS)}.")
+    needing = [name for name in names if name in ARTIFACT_METHODS]
+    if needing and not have_artifact:
+        verb = "need" if len(needing) > 1 else "needs"
+        raise OscarError(f"method{'s' * (len(needing) > 1)} {', '.join(map(repr, needing))} {verb} a rotations "
+                         "artifact: pass --rotations FILE (make one with `oscarkv calibrate MODEL --out FILE`).")
+
+
+def method_setups(names: list[str], model, quant: QuantConfig, cache: CacheConfig,
+                  artifact: RotationArtifact | None = None) -> list[MethodSetup]:
+    """Every method's setup, made before any of them runs, so that an evaluation of several methods fails at
+    its start, not after the first ones' work: `check_methods`, and an artifact made for another model."""
+    check_methods(names, artifact is not None)
+    if artifact is not None and any(name in ARTIFACT_METHODS for name in names):
+        artifact.check_model(model_identity(model))
+    return [method_setup(name, model, quant, cache, artifact) for name in names]

@@ -33,7 +33,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 from ..integrations.transformers import patch_model
-from ..methods import method_setup
+from ..methods import method_setups
 from .ppl import check_context
 
 # A completion ends where a new top-level statement begins (Codex paper, HumanEval).
@@ -168,8 +168,8 @@ def evaluate_code(model, tokenizer, problems: list[CodeProblem], methods: list[s
     cache = replace(cache, kernel="reference")
     windows = cache.sink_tokens + cache.recent_tokens
     results = []
-    for name in methods:
-        setup = method_setup(name, model, quant, cache, artifact)
+    for setup in method_setups(methods, model, quant, cache, artifact):
+        name = setup.name
         patch_model(model, setup.artifact, setup.quant, setup.cache)
         completions = generate_completions(model, tokenizer, problems, max_new_tokens, batch_size, f"code {name}",
                                            equal_lengths=setup.cache.key_grouping == "channel")

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 from ..integrations.transformers import patch_model
-from ..methods import method_setup
+from ..methods import method_setups
 from .ppl import check_context
 
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white")
@@ -137,8 +137,8 @@ def evaluate_niah(model, tokenizer, cases: list[NiahCase], methods: list[str], q
     for case in cases:
         check_context(model, case.length + ANSWER_TOKENS)
     results = []
-    for name in methods:
-        setup = method_setup(name, model, quant, cache, artifact)
+    for setup in method_setups(methods, model, quant, cache, artifact):
+        name = setup.name
         patch_model(model, setup.artifact, setup.quant, setup.cache)
         for case in tqdm(cases, desc=f"niah {name}", unit="prompt", leave=False):
             correct, text = run_case(model, tokenizer, case)

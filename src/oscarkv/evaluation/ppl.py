@@ -18,7 +18,7 @@ from ..calibration.calibrate import token_chunks
 from ..config import CacheConfig, QuantConfig
 from ..errors import InputTooLongError, OscarError
 from ..integrations.transformers import cache_keyword, patch_model
-from ..methods import method_setup
+from ..methods import method_setups
 from ..models import attention_shape
 
 
@@ -87,8 +87,8 @@ def evaluate_methods(model, token_ids: torch.Tensor, methods: list[str], quant: 
     shape = attention_shape(model)
     elements = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * context
     results = []
-    for name in methods:
-        setup = method_setup(name, model, quant, cache, artifact)
+    for setup in method_setups(methods, model, quant, cache, artifact):
+        name = setup.name
         patch_model(model, setup.artifact, setup.quant, setup.cache)
         ppl, tokens, kv_bytes = perplexity(model, token_ids, context, max_tokens, desc=name, bos_id=bos_id)
         results.append(PplResult(name, ppl, tokens, 8 * kv_bytes / elements, kv_bytes, context, quant.group_size))
