@@ -6,7 +6,7 @@ from safetensors.torch import save_file
 
 from oscarkv import QuantConfig
 from oscarkv.calibration.artifact import FORMAT_VERSION, RotationArtifact
-from oscarkv.errors import ArtifactError
+from oscarkv.errors import ArtifactError, OscarError
 from oscarkv.methods import data_free_artifact
 from oscarkv.models import model_identity
 from tiny_models import tiny_model
@@ -141,3 +141,38 @@ def test_lloyd_max_inner_levels_roundtrip_and_are_checked(tmp_path, artifact):
     artifact.layers[0].choice["inner_v"] = 0.7
     with pytest.raises(ArtifactError, match="inner level for its v stream"):
         artifact.save(tmp_path / "bad.safetensors")
+
+
+def test_commands_refuse_an_output_path_they_cannot_write_before_their_work(tmp_path, capsys, monkeypatch):
+    """A calibration's --out, an evaluation's --plot or a benchmark's --save is written after minutes of work; a
+    path that cannot take it fails first, in one line, before anything loads."""
+    import argparse
+    import os
+
+    from oscarkv.cli import check_outputs, main
+
+    a_file, a_dir = tmp_path / "a_file", tmp_path / "a_dir"
+    a_file.write_text("x")
+    a_dir.mkdir()
+    for args, line in [
+        (["calibrate", "smollm2-135m", "--out", str(a_dir)],
+         f"--out {a_dir}: is a directory; pass a file name, such as {a_dir / 'rot.safetensors'}."),
+        (["calibrate", "smollm2-135m", "--out", str(a_file / "rot.safetensors")],
+         f"--out {a_file / 'rot.safetensors'}: {a_file} is a file, not a directory; pass another path."),
+        (["eval", "ppl", "smollm2-135m", "--methods", "bf16", "--plot", str(a_dir)],
+         f"--plot {a_dir}: is a directory; pass a file name, such as {a_dir / 'plot.png'}."),
+        (["bench", "decode", "--save", str(a_file / "new" / "r.json")],
+         f"--save {a_file / 'new' / 'r.json'}: {a_file} is a file, not a directory; pass another path."),
+        (["demo", "--out", str(a_file)], f"--out {a_file}: a file of that name exists; pass a directory."),
+    ]:
+        capsys.readouterr()
+        assert main(args) == 2, args
+        assert capsys.readouterr().err.strip().splitlines() == [f"oscarkv: error: {line}"], args
+
+    # Paths whose directories do not exist yet pass (they are made when written), as does an existing file.
+    check_outputs(argparse.Namespace(out=str(tmp_path / "new" / "deeper" / "rot.safetensors"), plot=str(a_file)))
+    check_outputs(argparse.Namespace(out=str(tmp_path / "new" / "demo"), output_dirs=("out",)))
+    denied = {str(tmp_path)}
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) not in denied)
+    with pytest.raises(OscarError, match="cannot write there"):
+        check_outputs(argparse.Namespace(out=str(tmp_path / "new" / "rot.safetensors")))

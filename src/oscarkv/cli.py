@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=5000)
     p.add_argument("--calibration-chunks", type=int, default=8)
     p.add_argument("--device", default=None)
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, output_dirs=("out",))
 
     p = sub.add_parser("bench", help="benchmarks: attention and decode (CUDA GPU), serve (a running server)")
     bench_sub = p.add_subparsers(dest="bench", required=True)
@@ -737,9 +737,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The options that name what a command writes after its work, with a file name to suggest in a directory.
+OUTPUT_OPTIONS = {"out": "rot.safetensors", "plot": "plot.png", "save": "results.json"}
+
+
+def check_outputs(args) -> None:
+    """Refuse an output path that cannot be written before the work that fills it (a calibration or an
+    evaluation takes minutes, and its results would be lost): a directory where a file goes, a file where a
+    directory goes (the demo's --out, `output_dirs`), or a directory this user cannot write in."""
+    for name, example in OUTPUT_OPTIONS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        path, option, as_dir = Path(value), f"--{name} {value}", name in getattr(args, "output_dirs", ())
+        if as_dir and path.exists() and not path.is_dir():
+            raise OscarError(f"{option}: a file of that name exists; pass a directory.")
+        if not as_dir and path.is_dir():
+            raise OscarError(f"{option}: is a directory; pass a file name, such as {path / example}.")
+        nearest = path if as_dir else path.parent
+        while not nearest.exists():  # the directories that do not exist yet are made when the command writes
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            raise OscarError(f"{option}: {nearest} is a file, not a directory; pass another path.")
+        if not os.access(nearest, os.W_OK | os.X_OK) or (path.is_file() and not os.access(path, os.W_OK)):
+            raise OscarError(f"{option}: cannot write there (no permission); pass a path in a writable directory.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_outputs(args)
         return args.func(args)
     except OscarError as exc:
         print(f"oscarkv: error: {exc}", file=sys.stderr)
