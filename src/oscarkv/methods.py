@@ -64,7 +64,8 @@ class MethodSetup:
 
 def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
                  artifact: RotationArtifact | None = None) -> MethodSetup:
-    """The artifact and configs that realise method `name` on `model`."""
+    """The artifact and configs that realise method `name` on `model` (`check_methods` first)."""
+    check_methods([name], artifact is not None)
     if name == "bf16":
         return MethodSetup(name, data_free_artifact(model, "identity", quant), quant,
                            replace(cache, quantize_history=False))
@@ -91,9 +92,8 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
         return MethodSetup(name, data_free_artifact(model, "identity", quant), quant,
                            replace(cache, quantize_history=False, history_dtype=torch.float8_e4m3fn))
     if name in ARTIFACT_METHODS:
-        check_methods([name], artifact is not None)
         return MethodSetup(name, artifact if name == "oscar" else artifact.paper_variant(), quant, cache)
-    raise OscarError(f"unknown method {name!r}; choose from {', '.join(METHODS)}.")
+    raise AssertionError(f"method {name!r} is in METHODS but has no setup here")
 
 
 def check_methods(names: list[str], have_artifact: bool) -> None:
