@@ -84,3 +84,6 @@ def test_eval_commands_refuse_a_method_list_that_cannot_run_before_loading_the_m
             capsys.readouterr()
             assert main(["eval", command, "smollm2-135m", "--methods", methods]) == 2, (command, methods)
             assert capsys.readouterr().err.strip().splitlines() == [line], (command, methods)  # no loading bar
+        # A mistyped model is reported first, before the method list.
+        assert main(["eval", command, "smollm2-13m", "--methods", "bf16,oscar"]) == 2, command
+        assert capsys.readouterr().err.startswith("oscarkv: error: model 'smollm2-13m' is not a built-in alias")

@@ -130,7 +130,7 @@ def test_cli_errors_are_one_clear_line(tmp_path, capsys):
     for args, expected in [
         (["eval", "ppl", "smollm2-135m", "--rotations", str(bad)], "corrupt or truncated"),
         (["eval", "ppl", "smollm2-135m", "--methods", "oscar"], "needs a rotations artifact"),
-        (["eval", "ppl", "smollm2-135m", "--context", "9000"], "exceeds the model's maximum"),
+        (["eval", "ppl", "smollm2-135m", "--methods", "bf16", "--context", "9000"], "exceeds the model's maximum"),
     ]:
         capsys.readouterr()
         assert main(args) == 2, args

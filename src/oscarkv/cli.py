@@ -208,9 +208,12 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
 
 
 def _methods(args) -> list[str]:
-    """--methods as a list, checked before anything loads (`methods.check_methods`)."""
+    """--methods as a list, checked before anything loads (`methods.check_methods`), after the model's name
+    (`models.check_model_name`: a mistyped model is the error to report first)."""
     from .methods import check_methods
+    from .models import check_model_name
 
+    check_model_name(args.model)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_methods(methods, args.rotations is not None)
     return methods

@@ -213,6 +213,22 @@ def _write_converted(gguf: Path, target: Path) -> None:
     tmp.rename(target)
 
 
+def _not_a_model(name: str) -> AssetError:
+    return AssetError(
+        f"model {name!r} is not a built-in alias ({', '.join(ALIASES)}), a local Hugging Face directory "
+        "(with config.json), a .gguf file or a random-weight architecture (random:qwen3-4b, random:qwen3-8b). Pass one of those; models are never downloaded from a hub."
+    )
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a MODEL argument that names nothing `load_model` can load, without loading or converting anything
+    (commands check it before their other arguments' errors)."""
+    path = Path(name).expanduser()
+    if not (name in ALIASES or name.startswith(RANDOM_PREFIX) or (path.is_file() and path.suffix == ".gguf")
+            or (path.is_dir() and (path / "config.json").is_file())):
+        raise _not_a_model(name)
+
+
 def resolve_model(name: str) -> Path:
     """MODEL argument -> a local HF directory."""
     if name in ALIASES:
@@ -223,10 +239,7 @@ def resolve_model(name: str) -> Path:
         return _convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    raise AssetError(
-        f"model {name!r} is not a built-in alias ({', '.join(ALIASES)}), a local Hugging Face directory "
-        "(with config.json), a .gguf file or a random-weight architecture (random:qwen3-4b, random:qwen3-8b). Pass one of those; models are never downloaded from a hub."
-    )
+    raise _not_a_model(name)
 
 
 def default_device() -> torch.device:
