@@ -220,25 +220,36 @@ def _not_a_model(name: str) -> AssetError:
     )
 
 
+def _local_source(name: str) -> str | None:
+    """What a MODEL argument names on this machine: "alias", "gguf" (a .gguf file), "directory" (with
+    config.json), or None. Looks only; loads and converts nothing."""
+    path = Path(name).expanduser()
+    if name in ALIASES:
+        return "alias"
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "directory"
+    return None
+
+
 def check_model_name(name: str) -> None:
     """Refuse a MODEL argument that names nothing `load_model` can load, without loading or converting anything
     (commands check it before their other arguments' errors)."""
-    path = Path(name).expanduser()
-    if not (name in ALIASES or name.startswith(RANDOM_PREFIX) or (path.is_file() and path.suffix == ".gguf")
-            or (path.is_dir() and (path / "config.json").is_file())):
+    if not name.startswith(RANDOM_PREFIX) and _local_source(name) is None:
         raise _not_a_model(name)
 
 
 def resolve_model(name: str) -> Path:
     """MODEL argument -> a local HF directory."""
-    if name in ALIASES:
+    source = _local_source(name)
+    if source == "alias":
         asset = ALIASES[name]
         return _convert_gguf(assembled_path(asset) if isinstance(asset, PartedAsset) else asset_path(asset))
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _convert_gguf(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
+    if source == "gguf":
+        return _convert_gguf(Path(name).expanduser())
+    if source == "directory":
+        return Path(name).expanduser()
     raise _not_a_model(name)
 
 
