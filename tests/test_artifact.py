@@ -176,3 +176,55 @@ def test_commands_refuse_an_output_path_they_cannot_write_before_their_work(tmp_
     monkeypatch.setattr(os, "access", lambda path, mode: str(path) not in denied)
     with pytest.raises(OscarError, match="cannot write there"):
         check_outputs(argparse.Namespace(out=str(tmp_path / "new" / "rot.safetensors")))
+
+
+def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(tmp_path, artifact, capsys,
+                                                                                 monkeypatch):
+    """A group size, clip ratio, calibration option, context or artifact that cannot fit the model is refused
+    from the model's config alone (`models.model_config`), by the CLI's calibrate, eval and serve commands and by
+    `oscarkv.load`: `models.load_model`, replaced here, is never reached.
+    The artifact of the tiny test model has SmolLM2's model type but another depth."""
+    from oscarkv import models
+    from oscarkv.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before its arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    tiny = str(artifact.save(tmp_path / "tiny.safetensors"))
+    mismatch = ("This rotations artifact was made for another model: num_layers is 2 in the artifact but 30 in the "
+                "model. Calibrate one for this model with `oscarkv calibrate MODEL --out rot.safetensors`.")
+    out = str(tmp_path / "rot.safetensors")
+    for args, line in [
+        (["calibrate", "smollm2-135m", "--out", out, "--group-size", "48"],
+         "group_size=48 must be a power of two >= 4 (e.g. 64 or 128)."),
+        (["calibrate", "smollm2-135m", "--out", out, "--group-size", "128"],
+         "group_size=128 does not divide head_dim=64; choose a group size that divides it (e.g. 64)."),
+        (["calibrate", "smollm2-135m", "--out", out, "--clip-grid-v", "0,1.5"],
+         "clip grid (0.0, 1.5) must be a non-empty list of ratios <= 1 (0 = no clip)."),
+        (["calibrate", "smollm2-135m", "--out", out, "--max-bits", "-1"], "max_bits=-1.0 must be >= 0 (0 = pure INT2)."),
+        (["eval", "ppl", "smollm2-135m", "--methods", "bf16", "--context", "9000"],
+         "context 9000 exceeds the model's maximum of 8192 positions; pass --context 8192 or less."),
+        (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--clip-k", "1.2"],
+         "clip_ratio_k=1.2 must be <= 1 (use 0 to disable clipping)."),
+        (["eval", "code", "smollm2-135m", "--methods", "bf16", "--group-size", "256"],
+         "group_size=256 does not divide head_dim=64; choose a group size that divides it (e.g. 64)."),
+        (["eval", "ppl", "smollm2-135m", "--methods", "bf16,oscar", "--rotations", tiny], mismatch),
+        (["eval", "ppl", "random:qwen3-4b", "--methods", "bf16", "--group-size", "256"],
+         "group_size=256 does not divide head_dim=128; choose a group size that divides it (e.g. 64)."),
+        (["serve", "smollm2-135m", "--method", "bf16", "--max-context", "9000"],
+         "--max-context 9000 is longer than the model's 8192 positions."),
+        (["serve", "smollm2-135m", "--method", "oscar", "--rotations", tiny], mismatch),
+    ]:
+        capsys.readouterr()
+        assert main(args) == 2, args
+        assert capsys.readouterr().err.strip().splitlines() == ["oscarkv: error: " + line], args
+    assert not (tmp_path / "rot.safetensors").exists()
+    # The Python API's one-call form, likewise.
+    import oscarkv
+
+    with pytest.raises(ArtifactError) as raised:
+        oscarkv.load("smollm2-135m", tiny)
+    assert str(raised.value) == mismatch
+    with pytest.raises(OscarError, match="method 'oscar' needs a rotations artifact"):
+        oscarkv.load("smollm2-135m")

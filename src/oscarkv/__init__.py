@@ -15,6 +15,15 @@ from .quant import Int2Tensor, cache_bits_per_element, dequantize_int2, int2_bit
 __version__ = "0.1.0"
 
 
+def _artifact(rotations):
+    """A `RotationArtifact` from a path (loaded and checked) or as given (None or an artifact)."""
+    from .calibration.artifact import RotationArtifact
+
+    if isinstance(rotations, (str, bytes)) or hasattr(rotations, "__fspath__"):
+        return RotationArtifact.load(rotations)
+    return rotations
+
+
 def patch(model, rotations=None, method: str = "oscar", quant: QuantConfig | None = None,
           cache: CacheConfig | None = None):
     """Patch a loaded transformers model in place so its KV cache is stored by `method`.
@@ -22,12 +31,10 @@ def patch(model, rotations=None, method: str = "oscar", quant: QuantConfig | Non
     rotations: path to an artifact or a `RotationArtifact` (required for method 'oscar').
     method: 'oscar', 'naive', 'hadamard' or 'bf16'. Returns the model.
     """
-    from .calibration.artifact import RotationArtifact
     from .integrations.transformers import patch_model
     from .methods import method_setup
 
-    artifact = RotationArtifact.load(rotations) if isinstance(rotations, (str, bytes)) or hasattr(
-        rotations, "__fspath__") else rotations
+    artifact = _artifact(rotations)
     if quant is None and artifact is not None:
         quant = QuantConfig(artifact.group_size, artifact.clip_ratio_k, artifact.clip_ratio_v)
     elif quant is None:
@@ -40,11 +47,19 @@ def patch(model, rotations=None, method: str = "oscar", quant: QuantConfig | Non
 
 def load(model: str, rotations=None, method: str = "oscar", quant: QuantConfig | None = None,
          cache: CacheConfig | None = None, device=None, dtype=None):
-    """Load MODEL (alias, HF directory or GGUF) and patch it. Returns (model, tokenizer)."""
-    from .models import load_model
+    """Load MODEL (alias, HF directory or GGUF) and patch it. Returns (model, tokenizer).
 
+    The method and the artifact are checked against the model's config before its weights load (the
+    weights' fingerprint after)."""
+    from .methods import check_methods
+    from .models import load_model, model_config, shape_identity
+
+    artifact = _artifact(rotations)
+    check_methods([method], artifact is not None)
+    if artifact is not None:
+        artifact.check_model(shape_identity(model_config(model)), shapes_only=True)
     hf_model, tokenizer = load_model(model, device=device, dtype=dtype)
-    return patch(hf_model, rotations, method, quant, cache), tokenizer
+    return patch(hf_model, artifact, method, quant, cache), tokenizer
 
 
 __all__ = [

@@ -45,6 +45,22 @@ def _quant_config(args, head_dim: int, artifact=None):
     )
 
 
+def _checked_quant(model_name: str, quant_args, artifact=None):
+    """`_quant_config` for MODEL from its config alone (`models.model_config`), with the group size checked
+    against its head_dim, and an artifact against its shapes: a bad --group-size or clip ratio, or an artifact
+    of another architecture, is reported before the model's weights load (the weights' fingerprint is checked
+    after)."""
+    from .models import attention_shape, model_config, shape_identity
+
+    config = model_config(model_name)
+    if artifact is not None:
+        artifact.check_model(shape_identity(config), shapes_only=True)
+    head_dim = attention_shape(config).head_dim
+    quant = _quant_config(quant_args, head_dim, artifact)
+    quant.check_head_dim(head_dim)
+    return quant
+
+
 def _tokens(tokenizer, sources: list[str]):
     from .assets import load_text
 
@@ -56,11 +72,9 @@ def _tokens(tokenizer, sources: list[str]):
 
 def cmd_calibrate(args) -> int:
     from .calibration.calibrate import CalibrationConfig, calibrate
-    from .models import attention_shape, load_model, required_bos
+    from .models import load_model, required_bos
 
     started = time.time()
-    model, tokenizer = load_model(args.model, device=args.device)
-    quant = _quant_config(args, attention_shape(model).head_dim)
     config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
                                max_bits=args.max_bits, budget_context=args.budget_context,
                                clip_grid_k=_ratios(args.clip_grid_k), clip_grid_v=_ratios(args.clip_grid_v),
@@ -69,6 +83,8 @@ def cmd_calibrate(args) -> int:
                                retrieval_probe=getattr(args, "retrieval_probe", True),
                                key_rotations=getattr(args, "key_rotations", "layer"),
                                levels=getattr(args, "levels", "uniform"), inner=getattr(args, "inner", None))
+    quant = _checked_quant(args.model, args)  # the options first: loading a large model takes minutes
+    model, tokenizer = load_model(args.model, device=args.device)
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
@@ -168,12 +184,12 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.ppl import check_context, evaluate_methods
-    from .models import attention_shape, load_model, required_bos
+    from .models import attention_shape, load_model, model_config, required_bos
 
     artifact = RotationArtifact.load(rotations) if rotations else None
+    check_context(model_config(model_name), context)
+    quant = _checked_quant(model_name, quant_args, artifact)
     model, tokenizer = load_model(model_name, device=device)
-    check_context(model, context)
-    quant = _quant_config(quant_args, attention_shape(model).head_dim, artifact)
     if max_bits is not None and artifact is not None:
         from .calibration.selection import apply_budget
 
@@ -260,11 +276,11 @@ def cmd_eval_niah(args) -> int:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.niah import build_cases, evaluate_niah, summarise
-    from .models import attention_shape, load_model, required_bos
+    from .models import load_model, required_bos
 
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
+    quant = _checked_quant(args.model, args, artifact)
     model, tokenizer = load_model(args.model, device=args.device)
-    quant = _quant_config(args, attention_shape(model).head_dim, artifact)
     cache = CacheConfig(key_centering=args.key_centering, kernel=args.kernel)
     cases = build_cases(tokenizer, load_text(args.text), lengths, depths, args.trials, cache,
                         required_bos(model, tokenizer), args.seed)
@@ -295,14 +311,14 @@ def cmd_eval_code(args) -> int:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.code import evaluate_code, load_problems, summarise
-    from .models import attention_shape, load_model
+    from .models import load_model
 
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
     cache = CacheConfig(sink_tokens=args.sink, recent_tokens=args.recent, key_centering=args.key_centering,
                         kernel=args.kernel)
     problems = load_problems(args.limit)
+    quant = _checked_quant(args.model, args, artifact)
     model, tokenizer = load_model(args.model, device=args.device)
-    quant = _quant_config(args, attention_shape(model).head_dim, artifact)
     results = evaluate_code(model, tokenizer, problems, methods, quant, cache, artifact, args.max_new_tokens,
                             args.batch_size)
     rows = summarise(results)
@@ -457,21 +473,28 @@ def _api_key(args) -> str | None:
 def cmd_serve(args) -> int:
     import uvicorn
 
+    from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
-    from .models import load_model
+    from .models import load_model, model_config, shape_identity
     from .serving.api import create_app
-    from .serving.build import build_engine
+    from .serving.build import build_engine, check_max_context
     from .serving.engine import EngineConfig
 
     if args.method not in ("bf16", "naive", "hadamard", "int4") and args.rotations is None:
         raise OscarError(f"method {args.method!r} needs --rotations FILE (make one with `oscarkv calibrate "
                          f"{args.model} --out FILE`), or serve --method bf16.")
-    model, tokenizer = load_model(args.model, device=args.device)
+    # The artifact and the limits against the model's config first: its weights may take minutes to load.
+    settings = model_config(args.model)
+    artifact = RotationArtifact.load(args.rotations) if args.rotations else None
+    if artifact is not None:
+        artifact.check_model(shape_identity(settings), shapes_only=True)
     config = EngineConfig(max_seqs=args.max_seqs, max_context=args.max_context or min(
-        4096, getattr(model.config, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
+        4096, getattr(settings, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
         max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs, prefix_reuse=not args.no_prefix_reuse)
+    check_max_context(config, settings)
+    model, tokenizer = load_model(args.model, device=args.device)
     budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
-    engine = build_engine(model, tokenizer, args.method, args.rotations, config, budget,
+    engine = build_engine(model, tokenizer, args.method, artifact, config, budget,
                           cache=CacheConfig(compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas))
     if model.device.type == "cuda" and not args.no_warm_up:
         started = time.time()

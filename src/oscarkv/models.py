@@ -7,6 +7,7 @@ directory, so later loads take seconds (GGUF tokenizer conversion is the slow pa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, a
 from .calibration.artifact import ModelIdentity
 from .errors import AssetError, TokenizerError, UnsupportedModelError
 from .random_models import PREFIX as RANDOM_PREFIX
-from .random_models import random_model
+from .random_models import random_config, random_model
 
 ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "gemma3-270m": GEMMA3_GGUF, "qwen2.5-coder-1.5b": QWEN25_CODER_GGUF}
 DEFAULT_MODEL = "smollm2-135m"
@@ -103,17 +104,23 @@ def check_supported(model: nn.Module) -> None:
 
 def model_identity(model: nn.Module) -> ModelIdentity:
     """Shapes plus a fingerprint of the k_proj weights of the first and last layer (unchanged by patching)."""
-    shape = attention_shape(model)
+    identity = shape_identity(model)
     modules = attention_modules(model)
-    signature = k_proj_signature([modules[i].k_proj.weight for i in (0, shape.num_layers - 1)])
+    signature = k_proj_signature([modules[i].k_proj.weight for i in (0, identity.num_layers - 1)])
+    return dataclasses.replace(identity, weight_signature=signature)
+
+
+def shape_identity(model_or_config) -> ModelIdentity:
+    """The shapes of a model or of its config, without a weight fingerprint
+    (`RotationArtifact.check_model(..., shapes_only=True)`)."""
+    shape = attention_shape(model_or_config)
     return ModelIdentity(
-        model_type=text_config(model).model_type,
+        model_type=text_config(model_or_config).model_type,
         num_layers=shape.num_layers,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         hidden_size=shape.hidden_size,
-        weight_signature=signature,
     )
 
 
@@ -251,6 +258,16 @@ def resolve_model(name: str) -> Path:
     if source == "directory":
         return Path(name).expanduser()
     raise _not_a_model(name)
+
+
+def model_config(name: str):
+    """The transformers config of MODEL, read without its weights, so that arguments that depend on the
+    model's shapes (a group size, a context length) are checked before minutes of loading."""
+    from transformers import AutoConfig
+
+    if name.startswith(RANDOM_PREFIX):
+        return random_config(name)
+    return AutoConfig.from_pretrained(str(resolve_model(name)))
 
 
 def default_device() -> torch.device:

@@ -68,15 +68,22 @@ class _Encoding(dict):
         self.input_ids = input_ids
 
 
-def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """(model, tokenizer) for `random:NAME`, built on `device` with random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def random_config(name: str):
+    """The transformers config of `random:NAME` (no weights built)."""
+    from transformers import AutoConfig
 
     key = name[len(PREFIX):]
     if key not in CONFIGS:
         raise AssetError(f"{name!r}: random-weight architectures are {', '.join(PREFIX + k for k in CONFIGS)}.")
     settings = dict(CONFIGS[key])
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    return AutoConfig.for_model(settings.pop("model_type"), **settings)
+
+
+def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(model, tokenizer) for `random:NAME`, built on `device` with random weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(name)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

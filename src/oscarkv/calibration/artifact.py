@@ -49,11 +49,14 @@ class ModelIdentity:
     # cheap, robust to bf16/fp32 loading, and unrelated between any two different models.
     weight_signature: tuple[float, ...] = ()
 
-    def mismatch(self, other: ModelIdentity) -> str | None:
-        """A sentence naming the first difference, or None when `other` is the same model."""
+    def mismatch(self, other: ModelIdentity, shapes_only: bool = False) -> str | None:
+        """A sentence naming the first difference, or None when `other` is the same model (shapes_only: has the
+        same shapes, for a check from the model's config before its weights load)."""
         for name in ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name} is {getattr(self, name)!r} in the artifact but {getattr(other, name)!r} in the model"
+        if shapes_only:
+            return None
         if len(self.weight_signature) != len(other.weight_signature):
             return "the weight fingerprints have different lengths"
         a = torch.tensor(self.weight_signature, dtype=torch.float64)
@@ -154,8 +157,8 @@ class RotationArtifact:
         return RotationArtifact("oscar-paper", self.model, layers, self.group_size, self.clip_ratio_k,
                                 self.clip_ratio_v, dict(self.calibration))
 
-    def check_model(self, identity: ModelIdentity) -> None:
-        problem = self.model.mismatch(identity)
+    def check_model(self, identity: ModelIdentity, shapes_only: bool = False) -> None:
+        problem = self.model.mismatch(identity, shapes_only)
         if problem:
             raise ArtifactError(
                 f"This rotations artifact was made for another model: {problem}. "

@@ -12,6 +12,14 @@ from ..integrations.slots import DenseSlotCache, PagedSlotCache
 
 
 
+def check_max_context(config: EngineConfig, model_config) -> None:
+    """Refuse a max_context longer than the model's positions (`model_config`: a transformers config, so that
+    `serve` can check before the weights load)."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit and config.max_context > limit:
+        raise OscarError(f"--max-context {config.max_context} is longer than the model's {limit} positions.")
+
+
 def build_engine(model, tokenizer, method: str = "oscar", rotations=None, config: EngineConfig | None = None,
                  kv_memory_bytes: int | None = None, quant: QuantConfig | None = None,
                  cache: CacheConfig | None = None, backend: str = "auto") -> Engine:
@@ -27,9 +35,7 @@ def build_engine(model, tokenizer, method: str = "oscar", rotations=None, config
     if method not in SERVE_METHODS:
         raise OscarError(f"method {method!r} cannot be served; choose from {', '.join(SERVE_METHODS)}.")
     config = config or EngineConfig()
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and config.max_context > limit:
-        raise OscarError(f"--max-context {config.max_context} is longer than the model's {limit} positions.")
+    check_max_context(config, model.config)
     cache = replace(cache or CacheConfig(), kernel="paged" if method != "bf16" else "reference",
                     max_context=config.max_context)
     oscarkv.patch(model, rotations, method=method, quant=quant, cache=cache)
