@@ -107,11 +107,14 @@ def test_a_method_list_that_cannot_run_fails_before_any_method_runs(monkeypatch)
     for names, have, message in [
         ([], False, "no method given"),
         (["bf16", "foo", "bar"], True, "unknown methods 'foo', 'bar'; choose from bf16, oscar,"),
-        (["bf16", "oscar"], False, "method 'oscar' needs a rotations artifact: pass --rotations FILE"),
+        (["bf16", "oscar"], False, r"method 'oscar' needs a rotations artifact: pass rotations=FILE \(a path or a "
+                                   r"RotationArtifact\) \(make one with `oscarkv calibrate MODEL --out FILE`\)\.$"),
         (["oscar", "oscar-paper"], False, "methods 'oscar', 'oscar-paper' need a rotations artifact"),
     ]:
         with pytest.raises(OscarError, match=message):
             check_methods(names, have)
+    with pytest.raises(OscarError, match="needs a rotations artifact: pass --rotations FILE \\(make one"):
+        check_methods(["oscar"], False, how="pass --rotations FILE")  # the CLI's words
 
     model = tiny_model("llama", head_dim=32)
     other = data_free_artifact(tiny_model("qwen2", head_dim=32), "hadamard", QuantConfig(group_size=32))

@@ -231,7 +231,7 @@ def _methods(args) -> list[str]:
 
     check_model_name(args.model)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    check_methods(methods, args.rotations is not None)
+    check_methods(methods, args.rotations is not None, how="pass --rotations FILE")
     return methods
 
 

@@ -96,9 +96,12 @@ def method_setup(name: str, model, quant: QuantConfig, cache: CacheConfig,
     raise AssertionError(f"method {name!r} is in METHODS but has no setup here")
 
 
-def check_methods(names: list[str], have_artifact: bool) -> None:
+ARTIFACT_ARGUMENT = "pass rotations=FILE (a path or a RotationArtifact)"  # the Python API's; the CLI's: --rotations
+
+
+def check_methods(names: list[str], have_artifact: bool, how: str = ARTIFACT_ARGUMENT) -> None:
     """Refuse a method list that cannot run, before anything loads: no method, an unknown name, or a method
-    that reads a rotations artifact (ARTIFACT_METHODS) when none is given."""
+    that reads a rotations artifact (ARTIFACT_METHODS) when none is given (`how` says how to give one)."""
     if not names:
         raise OscarError(f"no method given; choose from {', '.join(METHODS)}.")
     unknown = [name for name in names if name not in METHODS]
@@ -109,7 +112,7 @@ def check_methods(names: list[str], have_artifact: bool) -> None:
     if needing and not have_artifact:
         verb = "need" if len(needing) > 1 else "needs"
         raise OscarError(f"method{'s' * (len(needing) > 1)} {', '.join(map(repr, needing))} {verb} a rotations "
-                         "artifact: pass --rotations FILE (make one with `oscarkv calibrate MODEL --out FILE`).")
+                         f"artifact: {how} (make one with `oscarkv calibrate MODEL --out FILE`).")
 
 
 def method_setups(names: list[str], model, quant: QuantConfig, cache: CacheConfig,
