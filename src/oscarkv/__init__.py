@@ -52,12 +52,11 @@ def load(model: str, rotations=None, method: str = "oscar", quant: QuantConfig |
     The method and the artifact are checked against the model's config before its weights load (the
     weights' fingerprint after)."""
     from .methods import check_methods
-    from .models import load_model, model_config, shape_identity
+    from .models import check_artifact_shapes, load_model, model_config
 
     artifact = _artifact(rotations)
     check_methods([method], artifact is not None)
-    if artifact is not None:
-        artifact.check_model(shape_identity(model_config(model)), shapes_only=True)
+    check_artifact_shapes(artifact, model_config(model))
     hf_model, tokenizer = load_model(model, device=device, dtype=dtype)
     return patch(hf_model, artifact, method, quant, cache), tokenizer
 

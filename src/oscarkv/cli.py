@@ -45,16 +45,14 @@ def _quant_config(args, head_dim: int, artifact=None):
     )
 
 
-def _checked_quant(model_name: str, quant_args, artifact=None):
-    """`_quant_config` for MODEL from its config alone (`models.model_config`), with the group size checked
+def _checked_quant(config, quant_args, artifact=None):
+    """`_quant_config` from a model's transformers config (`models.model_config`), with the group size checked
     against its head_dim, and an artifact against its shapes: a bad --group-size or clip ratio, or an artifact
     of another architecture, is reported before the model's weights load (the weights' fingerprint is checked
     after)."""
-    from .models import attention_shape, model_config, shape_identity
+    from .models import attention_shape, check_artifact_shapes
 
-    config = model_config(model_name)
-    if artifact is not None:
-        artifact.check_model(shape_identity(config), shapes_only=True)
+    check_artifact_shapes(artifact, config)
     head_dim = attention_shape(config).head_dim
     quant = _quant_config(quant_args, head_dim, artifact)
     quant.check_head_dim(head_dim)
@@ -72,7 +70,7 @@ def _tokens(tokenizer, sources: list[str]):
 
 def cmd_calibrate(args) -> int:
     from .calibration.calibrate import CalibrationConfig, calibrate
-    from .models import load_model, required_bos
+    from .models import load_model, model_config, required_bos
 
     started = time.time()
     config = CalibrationConfig(method=args.method, chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
@@ -83,7 +81,7 @@ def cmd_calibrate(args) -> int:
                                retrieval_probe=getattr(args, "retrieval_probe", True),
                                key_rotations=getattr(args, "key_rotations", "layer"),
                                levels=getattr(args, "levels", "uniform"), inner=getattr(args, "inner", None))
-    quant = _checked_quant(args.model, args)  # the options first: loading a large model takes minutes
+    quant = _checked_quant(model_config(args.model), args)  # the options first: loading a model takes minutes
     model, tokenizer = load_model(args.model, device=args.device)
     artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
@@ -187,8 +185,9 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     from .models import attention_shape, load_model, model_config, required_bos
 
     artifact = RotationArtifact.load(rotations) if rotations else None
-    check_context(model_config(model_name), context)
-    quant = _checked_quant(model_name, quant_args, artifact)
+    config = model_config(model_name)
+    check_context(config, context)
+    quant = _checked_quant(config, quant_args, artifact)
     model, tokenizer = load_model(model_name, device=device)
     if max_bits is not None and artifact is not None:
         from .calibration.selection import apply_budget
@@ -276,10 +275,10 @@ def cmd_eval_niah(args) -> int:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.niah import build_cases, evaluate_niah, summarise
-    from .models import load_model, required_bos
+    from .models import load_model, model_config, required_bos
 
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
-    quant = _checked_quant(args.model, args, artifact)
+    quant = _checked_quant(model_config(args.model), args, artifact)
     model, tokenizer = load_model(args.model, device=args.device)
     cache = CacheConfig(key_centering=args.key_centering, kernel=args.kernel)
     cases = build_cases(tokenizer, load_text(args.text), lengths, depths, args.trials, cache,
@@ -311,13 +310,13 @@ def cmd_eval_code(args) -> int:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.code import evaluate_code, load_problems, summarise
-    from .models import load_model
+    from .models import load_model, model_config
 
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
     cache = CacheConfig(sink_tokens=args.sink, recent_tokens=args.recent, key_centering=args.key_centering,
                         kernel=args.kernel)
     problems = load_problems(args.limit)
-    quant = _checked_quant(args.model, args, artifact)
+    quant = _checked_quant(model_config(args.model), args, artifact)
     model, tokenizer = load_model(args.model, device=args.device)
     results = evaluate_code(model, tokenizer, problems, methods, quant, cache, artifact, args.max_new_tokens,
                             args.batch_size)
@@ -475,7 +474,7 @@ def cmd_serve(args) -> int:
 
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
-    from .models import load_model, model_config, shape_identity
+    from .models import check_artifact_shapes, load_model, model_config
     from .serving.api import create_app
     from .serving.build import build_engine, check_max_context
     from .serving.engine import EngineConfig
@@ -486,8 +485,7 @@ def cmd_serve(args) -> int:
     # The artifact and the limits against the model's config first: its weights may take minutes to load.
     settings = model_config(args.model)
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
-    if artifact is not None:
-        artifact.check_model(shape_identity(settings), shapes_only=True)
+    check_artifact_shapes(artifact, settings)
     config = EngineConfig(max_seqs=args.max_seqs, max_context=args.max_context or min(
         4096, getattr(settings, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
         max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs, prefix_reuse=not args.no_prefix_reuse)

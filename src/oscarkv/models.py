@@ -110,6 +110,13 @@ def model_identity(model: nn.Module) -> ModelIdentity:
     return dataclasses.replace(identity, weight_signature=signature)
 
 
+def check_artifact_shapes(artifact, config) -> None:
+    """Refuse an artifact (None passes) made for another architecture than a model's transformers `config`, before
+    the model's weights load; the weights' fingerprint is checked once they have (`model_identity`)."""
+    if artifact is not None:
+        artifact.check_model(shape_identity(config), shapes_only=True)
+
+
 def shape_identity(model_or_config) -> ModelIdentity:
     """The shapes of a model or of its config, without a weight fingerprint
     (`RotationArtifact.check_model(..., shapes_only=True)`)."""
