@@ -108,6 +108,7 @@ def test_serve_flag_reaches_the_served_model(monkeypatch, eager):
 
     model = tiny_model("llama", head_dim=128)
     monkeypatch.setattr(oscarkv.models, "load_model", lambda name, device=None: (model, TokenIdTokenizer(128)))
+    monkeypatch.setattr(oscarkv.models, "model_config", lambda name: model.config)  # read before the weights
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
     assert main(["serve", "tiny", "--method", "hadamard", "--max-seqs", "2"]
                 + (["--eager-small-ops", "--cublas"] if eager else [])) == 0
