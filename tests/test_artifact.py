@@ -207,6 +207,10 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
          "context 9000 exceeds the model's maximum of 8192 positions; pass --context 8192 or less."),
         (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--clip-k", "1.2"],
          "clip_ratio_k=1.2 must be <= 1 (use 0 to disable clipping)."),
+        (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--lengths", "2048,9000"],
+         "context 9010 exceeds the model's maximum of 8192 positions; use --lengths of at most 8182 (the answer takes "
+         "10 tokens more)."),
+        (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--lengths", ","], "--lengths is empty; give at least one value."),
         (["eval", "code", "smollm2-135m", "--methods", "bf16", "--group-size", "256"],
          "group_size=256 does not divide head_dim=64; choose a group size that divides it (e.g. 64)."),
         (["eval", "ppl", "smollm2-135m", "--methods", "bf16,oscar", "--rotations", tiny], mismatch),

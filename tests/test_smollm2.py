@@ -115,6 +115,29 @@ def test_cli_eval_ppl_json(tmp_path):
     assert rows[1]["ppl"] > rows[0]["ppl"]
 
 
+def test_a_device_this_machine_cannot_run_is_one_clear_line(capsys, monkeypatch):
+    """--device cuda without a visible GPU (as on the CI machine; simulated where there is one), a GPU index past the
+    last, and a name torch does not know: one line and status 2 from calibrate, eval and serve, before any weights
+    load (the check is `models.resolve_device`, at the top of `load_model`; before it, a traceback)."""
+    import torch
+
+    from oscarkv.cli import main
+
+    for available, count, device, line in [
+        (False, 0, "cuda", "device 'cuda': no CUDA GPU is visible on this machine; use cpu (--device cpu), or run on a "
+                           "machine with a GPU."),
+        (True, 1, "cuda:1", "device 'cuda:1': this machine has 1 visible CUDA GPU(s), cuda:0 to cuda:0."),
+        (False, 0, "potato", "device 'potato' is not a device name; use cpu, cuda or cuda:N."),
+    ]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        for args in (["eval", "ppl", "smollm2-135m", "--methods", "bf16"], ["calibrate", "smollm2-135m", "--out", "x"],
+                     ["serve", "smollm2-135m", "--method", "bf16"]):
+            capsys.readouterr()
+            assert main(args + ["--device", device]) == 2, (args, device)
+            assert capsys.readouterr().err.strip().splitlines() == ["oscarkv: error: " + line], (args, device)
+
+
 def test_cli_errors_are_one_clear_line(tmp_path, capsys):
     """The first case as a process of its own (its exit status and stderr); the others, which load the model,
     through `cli.main` in this process (the same handler turns the error into one line and status 2)."""

@@ -270,15 +270,19 @@ def cmd_eval_niah(args) -> int:
     depths, lengths = _floats(args.depths, "--depths"), _ints(args.lengths, "--lengths")  # before anything loads
     if any(not 0 <= d <= 1 for d in depths):
         raise OscarError(f"--depths {args.depths}: each depth is a fraction of the haystack, between 0 and 1.")
+    if not depths or not lengths:
+        raise OscarError(f"{'--depths' if not depths else '--lengths'} is empty; give at least one value.")
     methods = _methods(args)
     from .assets import load_text
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
-    from .evaluation.niah import build_cases, evaluate_niah, summarise
+    from .evaluation.niah import build_cases, check_lengths, evaluate_niah, summarise
     from .models import load_model, model_config, required_bos
 
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
-    quant = _checked_quant(model_config(args.model), args, artifact)
+    config = model_config(args.model)
+    check_lengths(config, lengths)
+    quant = _checked_quant(config, args, artifact)
     model, tokenizer = load_model(args.model, device=args.device)
     cache = CacheConfig(key_centering=args.key_centering, kernel=args.kernel)
     cases = build_cases(tokenizer, load_text(args.text), lengths, depths, args.trials, cache,

@@ -19,7 +19,7 @@ from torch import nn
 
 from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, asset_path, assembled_path, cache_dir, cache_lock
 from .calibration.artifact import ModelIdentity
-from .errors import AssetError, TokenizerError, UnsupportedModelError
+from .errors import AssetError, OscarError, TokenizerError, UnsupportedModelError
 from .random_models import PREFIX as RANDOM_PREFIX
 from .random_models import random_config, random_model
 
@@ -281,12 +281,31 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A device argument (None: `default_device`) as a torch.device, refused in one line where this machine
+    cannot run it: a name torch does not know, CUDA without a visible GPU, or a GPU index past the last."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise OscarError(f"device {str(device)!r} is not a device name; use cpu, cuda or cuda:N.") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OscarError(f"device {str(device)!r}: no CUDA GPU is visible on this machine; use cpu "
+                             "(--device cpu), or run on a machine with a GPU.")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise OscarError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} visible CUDA "
+                             f"GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+    return resolved
+
+
 def load_model(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
     """Load (model, tokenizer) for MODEL; float32 on CPU, bfloat16 on CUDA unless `dtype` says otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if name.startswith(RANDOM_PREFIX):
         model, tokenizer = random_model(name, device, dtype)

@@ -162,7 +162,8 @@ def evaluate_code(model, tokenizer, problems: list[CodeProblem], methods: list[s
                   workers: int = 4) -> list[CodeResult]:
     """Every problem through every method's cache (greedy), then its tests."""
     longest = max(len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in problems)
-    check_context(model, longest + max_new_tokens)
+    check_context(model, longest + max_new_tokens, f"the longest prompt ({longest} tokens) and --max-new-tokens "
+                  f"{max_new_tokens} must fit: lower --max-new-tokens")
     # Batches are left-padded; the reference cache serves every method (kivi2 and turboquant3 have no paged
     # cache) the same way on every device.
     cache = replace(cache, kernel="reference")

@@ -26,6 +26,7 @@ from ..config import CacheConfig, QuantConfig
 from ..errors import OscarError
 from ..integrations.transformers import patch_model
 from ..methods import method_setups
+from ..models import attention_shape
 from .ppl import check_context
 
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white")
@@ -64,6 +65,15 @@ class NiahResult:
 
 def _sentences(text: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+
+
+def check_lengths(model_or_config, lengths: list[int]) -> None:
+    """Refuse needle prompts of `lengths` tokens (none: nothing to check) whose answer would not fit the model's
+    positions; `model_or_config` may be the model's config, for a check before its weights load."""
+    if lengths:
+        limit = attention_shape(model_or_config).max_positions
+        check_context(model_or_config, max(lengths) + ANSWER_TOKENS,
+                      f"use --lengths of at most {limit - ANSWER_TOKENS} (the answer takes {ANSWER_TOKENS} tokens more)")
 
 
 def build_cases(tokenizer, haystack: str, lengths: list[int], depths: list[float], trials: int, cache: CacheConfig,
@@ -134,8 +144,7 @@ def run_case(model, tokenizer, case: NiahCase) -> tuple[bool, str]:
 def evaluate_niah(model, tokenizer, cases: list[NiahCase], methods: list[str], quant: QuantConfig,
                   cache: CacheConfig, artifact=None) -> list[NiahResult]:
     """Every case through every method's cache (greedy), in the same order."""
-    for case in cases:
-        check_context(model, case.length + ANSWER_TOKENS)
+    check_lengths(model, [case.length for case in cases])
     results = []
     for setup in method_setups(methods, model, quant, cache, artifact):
         name = setup.name

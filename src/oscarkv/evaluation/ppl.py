@@ -36,12 +36,13 @@ class PplResult:
         return asdict(self)
 
 
-def check_context(model, context: int) -> None:
+def check_context(model, context: int, fix: str | None = None) -> None:
+    """Refuse `context` tokens where the model (or its config) has fewer positions. `fix` says what to change
+    (default: perplexity's --context)."""
     limit = attention_shape(model).max_positions
     if limit and context > limit:
-        raise InputTooLongError(
-            f"context {context} exceeds the model's maximum of {limit} positions; pass --context {limit} or less."
-        )
+        raise InputTooLongError(f"context {context} exceeds the model's maximum of {limit} positions; "
+                                f"{fix or f'pass --context {limit} or less'}.")
 
 
 def window_nll(model, window: torch.Tensor, scored_from: int) -> tuple[float, int, int]:
