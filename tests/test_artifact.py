@@ -180,7 +180,7 @@ def test_commands_refuse_an_output_path_they_cannot_write_before_their_work(tmp_
 
 def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(tmp_path, artifact, capsys,
                                                                                  monkeypatch):
-    """A group size, clip ratio, calibration option, context or artifact that cannot fit the model is refused
+    """A group size, clip ratio, calibration option, count, context or artifact that cannot fit the model is refused
     from the model's config alone (`models.model_config`), by the CLI's calibrate, eval and serve commands and by
     `oscarkv.load`: `models.load_model`, replaced here, is never reached.
     The artifact of the tiny test model has SmolLM2's model type but another depth."""
@@ -211,6 +211,10 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
          "context 9010 exceeds the model's maximum of 8192 positions; use --lengths of at most 8182 (the answer takes "
          "10 tokens more)."),
         (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--lengths", ","], "--lengths is empty; give at least one value."),
+        (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--trials", "0"], "--trials 0: must be at least 1."),
+        (["eval", "ppl", "smollm2-135m", "--methods", "bf16", "--max-tokens", "0"], "--max-tokens 0: must be at least 1."),
+        (["demo", "--max-tokens", "-5", "--out", str(tmp_path / "demo")], "--max-tokens -5: must be at least 1."),
+        (["serve", "smollm2-135m", "--method", "bf16", "--kv-memory", "-2"], "--kv-memory -2.0: must be more than 0."),
         (["eval", "code", "smollm2-135m", "--methods", "bf16", "--group-size", "256"],
          "group_size=256 does not divide head_dim=64; choose a group size that divides it (e.g. 64)."),
         (["eval", "ppl", "smollm2-135m", "--methods", "bf16,oscar", "--rotations", tiny], mismatch),

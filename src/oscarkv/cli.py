@@ -791,10 +791,28 @@ def check_outputs(args) -> None:
             raise OscarError(f"{option}: cannot write there (no permission); pass a path in a writable directory.")
 
 
+# Numeric options that count something (at least 1) or measure an amount (more than 0), whichever command has them;
+# checked before any work, as the output paths are (options where 0 means "none" are not listed).
+COUNT_OPTIONS = ("max_tokens", "trials", "max_new_tokens", "batch_size", "calibration_chunks", "max_chunks",
+                 "write_tokens", "clients", "prompt_words", "steps", "batch", "choices")
+AMOUNT_OPTIONS = ("kv_memory", "duration", "probe_interval")
+
+
+def check_counts(args) -> None:
+    """Refuse a count below 1 or an amount not above 0 (`COUNT_OPTIONS`, `AMOUNT_OPTIONS`) before the command starts:
+    `demo --max-tokens 0` calibrated for minutes before its evaluation refused it."""
+    for name in COUNT_OPTIONS + AMOUNT_OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None and (value < 1 if name in COUNT_OPTIONS else value <= 0):
+            limit = "at least 1" if name in COUNT_OPTIONS else "more than 0"
+            raise OscarError(f"--{name.replace('_', '-')} {value}: must be {limit}.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_outputs(args)
+        check_counts(args)
         return args.func(args)
     except OscarError as exc:
         print(f"oscarkv: error: {exc}", file=sys.stderr)
