@@ -223,6 +223,9 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
         (["serve", "smollm2-135m", "--method", "bf16", "--max-context", "9000"],
          "--max-context 9000 is longer than the model's 8192 positions."),
         (["serve", "smollm2-135m", "--method", "oscar", "--rotations", tiny], mismatch),
+        (["serve", "smollm2-135m", "--method", "oscar-paper"],
+         "method 'oscar-paper' needs a rotations artifact: pass --rotations FILE, or serve --method bf16 (make one "
+         "with `oscarkv calibrate MODEL --out FILE`)."),
     ]:
         capsys.readouterr()
         assert main(args) == 2, args

@@ -478,14 +478,13 @@ def cmd_serve(args) -> int:
 
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
+    from .methods import check_methods
     from .models import check_artifact_shapes, load_model, model_config
     from .serving.api import create_app
     from .serving.build import build_engine, check_max_context
     from .serving.engine import EngineConfig
 
-    if args.method not in ("bf16", "naive", "hadamard", "int4") and args.rotations is None:
-        raise OscarError(f"method {args.method!r} needs --rotations FILE (make one with `oscarkv calibrate "
-                         f"{args.model} --out FILE`), or serve --method bf16.")
+    check_methods([args.method], args.rotations is not None, how="pass --rotations FILE, or serve --method bf16")
     # The artifact and the limits against the model's config first: its weights may take minutes to load.
     settings = model_config(args.model)
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
