@@ -56,3 +56,26 @@ def test_tables_and_plot_from_saved_results(tmp_path, capsys):
 def test_bench_decode_without_gpu_says_so():
     with pytest.raises(OscarError, match="CUDA GPU"):
         run(Settings())
+
+
+@pytest.mark.parametrize("command, args", [("bench decode", ["--contexts", "1000"]), ("bench attention", [])])
+def test_gpu_benchmarks_without_gpu_say_so_in_one_line_before_any_progress_bar(command, args, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # so that it also holds on a GPU machine
+    assert main([*command.split(), *args]) == 2
+    captured = capsys.readouterr()
+    # bench decode used to draw its progress bar ("bench decode: 00:00") before it refused
+    assert captured.err.splitlines() == [captured.err.strip()]
+    assert captured.err.startswith(f"oscarkv: error: `oscarkv {command}` measures a CUDA GPU and none is visible")
+    assert captured.out == ""
+
+
+def test_version_names_oscarkv_as_installed_and_its_libraries(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    line = capsys.readouterr().out.strip()
+    # oscarkv.__version__ and the installed metadata (pyproject.toml) must agree
+    assert line.startswith(f"oscarkv {version('oscarkv')} (torch {version('torch')}, transformers ")
+    assert oscarkv.__version__ == version("oscarkv")

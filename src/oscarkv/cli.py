@@ -435,8 +435,10 @@ def cmd_bench_decode(args) -> int:
     else:
         from tqdm import tqdm
 
-        from .benchmarks.decode import Settings, run
+        from .benchmarks import require_cuda
+        from .benchmarks.decode import FROM_JSON_HINT, Settings, run
 
+        require_cuda("bench decode", FROM_JSON_HINT)  # before the bar
         contexts, batch_contexts = _ints(args.contexts, "--contexts"), _ints(args.batch_contexts, "--batch-contexts")
         settings = Settings(args.model, tuple(contexts), args.batch, tuple(batch_contexts),
                             not args.no_largest, args.prefill, steps=args.steps,
@@ -555,8 +557,36 @@ def _bench_serve(args) -> int:
     return 0 if report.ok else 1
 
 
+def version_line() -> str:
+    """oscarkv's version and those of the libraries it runs on, from their installed metadata (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} not installed"
+
+    return f"oscarkv {__version__} ({', '.join(installed(name) for name in ('torch', 'transformers', 'triton'))})"
+
+
+class _VersionAction(argparse.Action):
+    """--version: `version_line`, computed only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscarkv", description=__doc__)
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of oscarkv, torch, transformers and triton, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("calibrate", help="compute rotations for a model from text")

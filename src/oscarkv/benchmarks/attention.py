@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ..cache.paged import PagedKVCache, PagedLayer, PagedLayout, StepBatch
-from ..errors import OscarError
+from . import require_cuda
 from ..kernels import reference
 from ..kernels.ops import RotationPieces, attend_step, choose_splits, rotation_pieces, write_step
 
@@ -293,8 +293,7 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
 
 
 def run(shapes=DEFAULT_SHAPES, write_tokens: int = 32768, inner: float | None = None) -> dict:
-    if not torch.cuda.is_available():
-        raise OscarError("`oscarkv bench attention` measures GPU kernels and needs a CUDA GPU; none is visible.")
+    require_cuda("bench attention")
     device = torch.device("cuda")
     copy_gbs = copy_bandwidth_gbs(device)
     rows = []

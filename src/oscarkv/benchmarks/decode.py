@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import CacheConfig
-from ..errors import OscarError
 from ..integrations.slots import DenseSlotCache, PagedSlotCache
 from ..integrations.static_decode import StaticDecoder, forward_slots, slot_cache_for
 from ..kernels.ops import write_step
+from . import require_cuda
 from .attention import copy_bandwidth_gbs
 
 METHODS = {"bf16": "bf16", "int2": "hadamard"}  # what the benchmark calls a cache -> the method patched
@@ -238,12 +238,14 @@ def largest_batch(model, name: str, context: int, margin_gib: float) -> int:
     return max(0, min(BATCH_CAP, free // per_sequence))
 
 
+FROM_JSON_HINT = "A result saved there with --save shows here with `oscarkv bench decode --from-json FILE`."
+
+
 def run(settings: Settings, progress=None) -> dict:
     """All measurements for one model; `progress(message)` is told what runs next."""
     from ..models import load_model
 
-    if not torch.cuda.is_available():
-        raise OscarError("bench decode measures a CUDA GPU and none is visible; run it on a GPU machine.")
+    require_cuda("bench decode", FROM_JSON_HINT)
     say = progress or (lambda message: None)
     model, _ = load_model(settings.model, device="cuda", dtype=torch.bfloat16)
     limit = getattr(model.config, "max_position_embeddings", None) or max(settings.contexts)
