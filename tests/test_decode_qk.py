@@ -10,6 +10,9 @@ from oscarkv.kernels.ops import decode_query_key, triton_available
 from oscarkv.kernels.reference import decode_query_key_reference
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from oscarkv.kernels.triton_decode_qk import _first_page_blocks  # noqa: E402 (needs Triton)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -209,7 +212,9 @@ def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, bat
     queries and the rotated keys bit for bit as the query/key launch followed by the write launch does, at batch 1
     (one row per program) and 3 (a block of rows). The prompts put the first decode tokens in the sink (8 of 16),
     at its edge (15) and in the ring (60); the fifth step crosses a flush (at sink 16 + recent 32 + page 16); batch
-    1 takes the 60-token prompt."""
+    1 takes the 60-token prompt. The one launch also holds the programs that prefetch the first keys of 40 history
+    splits into L2 (a hint: on the GPU they prefetch, in the interpreter they return at once); they must not take
+    the place of any other program."""
     from oscarkv.cache.paged import PagedLayout
     from oscarkv.kernels.ops import decode_query_key_write, write_step
     from paged_helpers import PagedRun, random_step
@@ -235,7 +240,7 @@ def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, bat
         common = dict(q_norm=q_norm, k_norm=k_norm, key_mean=fused.mean, clip_k=0.96, clip_v=0.92, backend="triton")
         calls.clear()
         got = decode_query_key_write(fused.layer, fused.cache.step(fused.slots, [1] * batch), q, k, v, cos, sin,
-                                     fused.rotation, **common)
+                                     fused.rotation, history_splits=40, **common)
         assert not calls, "the fused step launched the write kernel"
         query, key = decode_query_key(q, k, cos, sin, unfused.rotation, q_norm, k_norm, backend="triton",
                                       rotate_keys=True, key_mean=unfused.mean)
@@ -263,3 +268,54 @@ def test_cache_write_falls_back_to_two_calls_where_one_launch_cannot_serve():
     assert torch.equal(run.layer.sink_v[run.slots[0], :, 0], v[0].to(torch.bfloat16))
     with pytest.raises(OscarError, match="key rotation"):
         decode_query_key_write(run.layer, run.cache.step(run.slots, [1]), q, k, v, cos, sin, None)
+
+
+@triton.jit
+def _first_blocks_kernel(out_ptr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, HKV: tl.constexpr,
+                         P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr, PAGES: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """out [B, HKV, PAGES, chunks·BLOCK]: the blocks the query/key launch prefetches (-1: none)."""
+    b, h, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    width = tl.num_programs(2) * BLOCK
+    splits = chunk * BLOCK + tl.arange(0, BLOCK)
+    for j in tl.static_range(PAGES):
+        block, ok = _first_page_blocks(b, h, chunk, j, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                                       HKV, P, S, R, SPLITS, BLOCK)
+        tl.store(out_ptr + ((b * HKV + h) * PAGES + j) * width + splits, tl.where(ok, block, -1))
+
+
+@pytest.mark.parametrize("splits,block", [(5, 4), (132, 32), (3, 32)])
+def test_prefetched_keys_are_the_first_pages_each_history_split_reads(splits, block):
+    """The query/key launch prefetches into L2 the first pages of each history split of the coming attention
+    (`PREFETCH_PAGES`); a prefetch is only a hint, so wrong addresses would cost time, not answers. Here the
+    blocks it computes are checked against the attention's split plan: split s reads pages s·share ..
+    min((s + 1)·share, pages) - 1 of its sequence, share = ceil(pages / splits), through the block table."""
+    from oscarkv.cache.paged import PagedKVCache, PagedLayout
+
+    layout = PagedLayout(kv_heads=3, head_dim=64, group_size=64, page_size=16, sink_tokens=16, recent_tokens=32)
+    cache = PagedKVCache([layout], 400, 4, 4096, DEVICE)
+    slots = [cache.open_slot() for _ in range(4)]
+    for tokens in ([700, 40, 2000, 64], [333, 1, 900, 10]):  # two steps, so that the sequences' pages interleave
+        cache.step(slots, tokens)
+    batch = cache.step(slots, [1, 1, 1, 1])  # a decode step
+    pages = 2
+    chunks = -(-splits // block)
+    got = torch.empty(4, 3, pages, chunks * block, dtype=torch.int64, device=DEVICE)
+    bt = batch.block_table
+    _first_blocks_kernel[(4, 3, chunks)](got, batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0),
+                                         cache.layers[0].num_pages, HKV=3, P=16, S=16, R=32, SPLITS=splits,
+                                         PAGES=pages, BLOCK=block)
+    got, bt, lengths = got.cpu(), bt.cpu(), batch.lengths.cpu()
+    expected = torch.full_like(got, -1)
+    for b, slot in enumerate(slots):
+        stored = int(lengths[b])
+        history_end = 16 + 16 * (max(stored + 1 - 16 - 32, 0) // 16)
+        history_pages = -(-max(min(stored, history_end) - 16, 0) // 16)
+        share = -(-history_pages // splits)
+        for s in range(splits):
+            for j in range(min(pages, share)):
+                if s * share + j < history_pages:
+                    for h in range(3):
+                        expected[b, h, j, s] = int(bt[slot, s * share + j]) * 3 + h
+    assert (expected[:, :, 0] >= 0).any() and (expected[:, :, 0] == -1).any()  # some splits have pages, some not
+    assert torch.equal(got, expected)

@@ -26,8 +26,8 @@ from ..cache.mixed import LayerSpec, left_padding
 from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
 from ..config import CacheConfig
 from ..errors import OscarError
-from ..kernels.ops import (attend_step, decode_query_key, decode_query_key_write, rotate_queries, rotation_pieces,
-                           uses_rotation_pieces, write_step)
+from ..kernels.ops import (attend_step, decode_query_key, decode_query_key_write, prefetched_splits, rotate_queries,
+                           rotation_pieces, uses_rotation_pieces, write_step)
 
 
 def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int) -> list[PagedLayout]:
@@ -201,9 +201,12 @@ class PagedOscarLayer(AttendingLayer):
             return query
         v = v if v.is_contiguous() else v.contiguous()  # what `update` stores for the attention
         quant = self.spec.quant
+        layer = self.owner.storage.layers[self.index]
+        splits = prefetched_splits(layer, b, q.shape[1], self.owner.max_context, q.device)
         query, self.new_keys = decode_query_key_write(
-            self.owner.storage.layers[self.index], step, q, k, v, cos, sin, self.k_rotation, *norms,
-            key_mean=self.k_mean, clip_k=quant.clip_ratio_k, clip_v=quant.clip_ratio_v, backend=backend)
+            layer, step, q, k, v, cos, sin, self.k_rotation, *norms,
+            key_mean=self.k_mean, clip_k=quant.clip_ratio_k, clip_v=quant.clip_ratio_v, backend=backend,
+            history_splits=splits)
         self.step, self.new_values, self.fresh_kv = step, v, None
         self.length += 1
         return query

@@ -182,7 +182,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                          dict(decode_qk, **dict.fromkeys(triton_decode_qk.WRITE_ARGUMENTS)), dict(num_warps=warps)))
             flush = {name: value for name, value in write.items() if name not in ("HKV", "D")}
             jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
-                         dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-page // 16)),
+                         dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-page // 16), PREFETCH_SPLITS=132,
+                              PREFETCH_PAGES=2),
                          dict(num_warps=warps, **unfused)))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)

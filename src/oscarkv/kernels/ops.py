@@ -320,6 +320,26 @@ def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: i
     return WindowPlan(windows if num_splits > windows else 1)
 
 
+# A decode step's query/key launch prefetches into L2 the first keys of each history split where the plan has this
+# many history splits or more (`prefetched_splits`).
+PREFETCH_MIN_SPLITS = 32
+
+
+def prefetched_splits(layer: PagedLayer, batch_size: int, query_heads: int, max_context: int,
+                      device: torch.device) -> int:
+    """The history splits per (sequence, KV head) of the decode step that `attend_step` plans for `max_context`,
+    where there are PREFETCH_MIN_SPLITS or more (short splits, at small batches: 132 at batch 1 on an H100 with 8
+    KV heads), else 0. The query/key launch (`decode_query_key_write`) then prefetches into L2 the keys of each
+    split's first page. H100, random Qwen3-4B INT2 steps in one process, alternating: 1×100K 4.313–4.317 →
+    4.281–4.289 ms, 1×30K 3.770–3.771 → 3.760–3.762, 1×60K 4.014 → 3.978, 1×8K 3.651 → 3.642; at 32×32K (4 splits
+    of 128 pages) no gain within the noise (13.31 → 13.32, 13.36 → 13.50; docs/data/qk-prefetch-h100.txt)."""
+    num_splits = choose_splits(layer, batch_size, 1, query_heads, max_context, device)
+    if num_splits < 2:
+        return 0
+    history = num_splits - window_plan(layer, batch_size, 1, query_heads, num_splits, max_context, device).splits
+    return history if history >= PREFETCH_MIN_SPLITS else 0
+
+
 def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
                        max_context: int, device: torch.device) -> int:
     """The window splits among `num_splits` (`window_plan`)."""
@@ -476,7 +496,7 @@ def decode_query_key_write(layer: PagedLayer, batch: StepBatch, q: torch.Tensor,
                            q_norm: tuple[torch.Tensor, float] | None = None,
                            k_norm: tuple[torch.Tensor, float] | None = None, key_mean: torch.Tensor | None = None,
                            clip_k: float = 0.0, clip_v: float = 0.0,
-                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                           backend: str = "auto", history_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_query_key` with rotate_keys, then `write_step` of its keys and the values v [B, Hkv, D] into
     `layer` (validate=False): (the queries for `attend_step`, the rotated keys it reads for the step's own tokens).
 
@@ -484,7 +504,8 @@ def decode_query_key_write(layer: PagedLayer, batch: StepBatch, q: torch.Tensor,
     q's dtype runs both in one launch: the query/key launch's key programs also store the token in the sink or
     ring, and more programs of that launch move the tokens that age out of the ring into the history, as
     `triton_write.launch_write` does in its merged decode launch. That saves one launch per layer in a decode
-    step. Any other step makes the two calls."""
+    step. Any other step makes the two calls. history_splits (`prefetched_splits`; 0: none): that launch also
+    prefetches into L2 the keys of the first page of each of that many history splits (`triton_decode_qk`)."""
     if rotation is None:
         raise OscarError("decode_query_key_write stores rotated keys: it needs the layer's key rotation.")
     _check_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, key_mean)
@@ -497,7 +518,7 @@ def decode_query_key_write(layer: PagedLayer, batch: StepBatch, q: torch.Tensor,
         _check_inputs(layer, batch)  # the window dtype and the step's index dtypes
         v = v if v.stride(2) == 1 and v.stride(1) == lay.head_dim else v.contiguous()
         return _launch_decode_qk(q, k, cos, sin, rotation, q_norm, k_norm, True, key_mean,
-                                 StepWrite(layer, batch, v, clip_k, clip_v))
+                                 StepWrite(layer, batch, v, clip_k, clip_v, history_splits))
     query, key = decode_query_key(q, k, cos, sin, rotation, q_norm, k_norm, backend, rotate_keys=True,
                                   key_mean=key_mean)
     return query, write_step(layer, batch, key, v, None, None, clip_k, clip_v, backend=backend, validate=False)

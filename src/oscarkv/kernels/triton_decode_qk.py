@@ -21,6 +21,13 @@ Rounding follows the eager modules: the norm in float32, rounded to the dtype, t
 rounded again; RoPE's q·cos and rotate_half(q)·sin each rounded, then their sum. The norm's sum may
 run in another order than PyTorch's, so a value can differ by one ulp, as with the Triton RMSNorm.
 
+With a `StepWrite` that names the attention's history splits (`ops.prefetched_splits`: batch 1 to 4), more
+programs prefetch into L2 the keys (codes, scales, zeros) of each split's first page (`PREFETCH_PAGES`), where the
+attention's history programs will start: this launch runs for about 4 µs with the DRAM mostly idle, and every
+history program asks for its first pages at once when it starts. That took 1×100K steps of Qwen3-4B on the H100
+from 4.313–4.317 to 4.281–4.289 ms (`ops.prefetched_splits` has the figures). Whole pages, two or more pages, and
+bulk prefetches (the launch then ends only when they land) were slower (docs/data/qk-prefetch-h100.txt).
+
 With `overlap` (Hopper, `triton_pdl`) the launch starts while the projection before it ends: cos/sin,
 the R_K columns and μ_K load before it waits; the norm weights load with the rows, after it. Reference:
 `oscarkv.kernels.reference.decode_query_key_reference`.
@@ -36,7 +43,7 @@ import triton.language as tl
 
 from ..cache.paged import PagedLayer, StepBatch
 from .triton_pdl import gdc_launch_dependents, gdc_wait, programmatic
-from .triton_write import WRITE_POINTERS, _flush_block, _round_to, flush_arguments
+from .triton_write import WRITE_POINTERS, _flush_block, _history_end, _round_to, _sequence, flush_arguments
 
 BLOCK_ROWS = 16  # the smallest M of a dot; a decode step has one row per sequence
 # The kernel's cache-write arguments (None when the launch does not write the cache).
@@ -53,6 +60,13 @@ class StepWrite:
     values: torch.Tensor
     clip_k: float
     clip_v: float
+    history_splits: int = 0  # the attention's history splits per (sequence, KV head); 0: no prefetch
+
+
+# The keys of the first PREFETCH_PAGES pages of each history split go into L2 (0: none), PREFETCH_BLOCK splits per
+# program (see the module doc).
+PREFETCH_PAGES = 1
+PREFETCH_BLOCK = 32
 
 
 def launch_plan(rows: int, d: int) -> tuple[int, int, int]:
@@ -116,6 +130,51 @@ def _store_step_token(key, v_src, r, valid, head, columns, slots_ptr, len_ptr, s
 
 
 @triton.jit
+def _prefetch_run(first, NBYTES: tl.constexpr, ok):
+    """prefetch.global.L2 of the NBYTES bytes from each byte pointer of `first` where ok, one per 128-byte line."""
+    lines = tl.arange(0, (NBYTES + 127) // 128) * 128
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [first[:, None] + lines[None, :], ok[:, None].to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _first_page_blocks(b, h, chunk, j: tl.constexpr, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                       HKV: tl.constexpr, P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """(blocks, ok), both [BLOCK]: the (page, KV head) block of the j-th page that history splits chunk·BLOCK to
+    chunk·BLOCK + BLOCK - 1 of sequence b read for KV head h, where the decode attention has SPLITS history splits
+    per (sequence, KV head) (`triton_attention`: split s reads pages s·share to min((s + 1)·share, pages) - 1), and
+    whether that split has a j-th page (and a valid one)."""
+    slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
+    history_pages = tl.cdiv(tl.maximum(tl.minimum(old, _history_end(old + count, S, R, P)) - S, 0), P)
+    share = tl.cdiv(history_pages, SPLITS)
+    splits = chunk * BLOCK + tl.arange(0, BLOCK)
+    index = splits * share + j
+    ok = (splits < SPLITS) & (index < tl.minimum(splits * share + share, history_pages))  # the split's end
+    page = tl.load(bt_ptr + slot.to(tl.int64) * bt_stride + index, mask=ok, other=-1)
+    ok = ok & (page >= 0) & (page < num_pages)
+    return tl.where(ok, page, 0).to(tl.int64) * HKV + h, ok
+
+
+@triton.jit
+def _prefetch_first_keys(b, h, chunk, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr,
+                         kz_ptr, HKV: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, K_BITS: tl.constexpr,
+                         P: tl.constexpr, S: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
+                         PAGES: tl.constexpr, BLOCK: tl.constexpr):
+    """Into L2: the keys (codes, scales, zeros) of the first PAGES pages of history splits chunk·BLOCK to
+    chunk·BLOCK + BLOCK - 1 of sequence b and KV head h (`_first_page_blocks`)."""
+    CODE_BYTES: tl.constexpr = P * D * K_BITS // 8
+    PARAM_BYTES: tl.constexpr = P * NG * (ks_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    for j in tl.static_range(PAGES):
+        block, ok = _first_page_blocks(b, h, chunk, j, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                                       HKV, P, S, R, SPLITS, BLOCK)
+        _prefetch_run(kc_ptr.to(tl.pointer_type(tl.uint8)) + block * CODE_BYTES, CODE_BYTES, ok)
+        _prefetch_run(ks_ptr.to(tl.pointer_type(tl.uint8)) + block * PARAM_BYTES, PARAM_BYTES, ok)
+        _prefetch_run(kz_ptr.to(tl.pointer_type(tl.uint8)) + block * PARAM_BYTES, PARAM_BYTES, ok)
+
+
+@triton.jit
 def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mean_ptr, q_out_ptr, k_out_ptr,
                       rows, q_eps, k_eps, stride_q, stride_k, stride_cos, stride_sin,
                       v_ptr, stride_v, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
@@ -129,7 +188,9 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
                       S: tl.constexpr = 64, R: tl.constexpr = 256, CLIP_K: tl.constexpr = -1,
                       CLIP_V: tl.constexpr = -1, SHIFT: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16,
                       KEY_SHIFTS: tl.constexpr = False, SHIFT_BLOCK: tl.constexpr = 1, K_LLOYD: tl.constexpr = False,
-                      V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True, FLUSH_BLOCKS: tl.constexpr = 0):
+                      V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True, FLUSH_BLOCKS: tl.constexpr = 0,
+                      PREFETCH_SPLITS: tl.constexpr = 0, PREFETCH_PAGES: tl.constexpr = 0,
+                      PREFETCH_BLOCK: tl.constexpr = 32):
     """See the module doc. FLUSH_BLOCKS > 0 (a decode step that writes the cache, `launch_decode_qk`'s `write`):
     the key programs also store each row's rotated key and its value in the sink or ring
     (`_store_step_token`), and BLOCK · FLUSH_BLOCKS · HKV more programs per block of rows move the ring tokens
@@ -138,6 +199,15 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
     pid = tl.program_id(1)
     blocks_per_head: tl.constexpr = D // BLOCK_N if ROTATE else 1
     key_blocks: tl.constexpr = D // BLOCK_N if ROTATE_KEYS else 1
+    if PREFETCH_SPLITS > 0 and PREFETCH_PAGES > 0:
+        fetch = pid - HQ * blocks_per_head - HKV * key_blocks - FLUSH_BLOCKS * HKV * BLOCK
+        if fetch >= 0:
+            b = tl.program_id(0) * BLOCK + fetch % BLOCK  # one per row of a block of rows, KV head and BLOCK splits
+            if COMPILED and b < rows:  # (inline PTX: the interpreter skips the hint)
+                _prefetch_first_keys(b, (fetch // BLOCK) % HKV, fetch // BLOCK // HKV, slots_ptr, cu_ptr, len_ptr,
+                                     bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, HKV, D, NG, K_BITS, P, S,
+                                     R, PREFETCH_SPLITS, PREFETCH_PAGES, PREFETCH_BLOCK)
+            return
     if FLUSH_BLOCKS > 0:
         flush = pid - HQ * blocks_per_head - HKV * key_blocks
         if flush >= 0:
@@ -232,8 +302,12 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     else:
         flush_blocks, flush = flush_arguments(write.layer, write.batch, write.clip_k, write.clip_v, decode=True)
         programs += flush_blocks * hkv * rows_per_program  # one per row of a block of rows, token block and head
+        if write.history_splits > 0 and PREFETCH_PAGES > 0:
+            programs += rows_per_program * hkv * triton.cdiv(write.history_splits, PREFETCH_BLOCK)
         shared = ("HKV", "D")  # the launch's own, checked equal by `ops.decode_query_key_write`
         cache_arguments = {name: value for name, value in flush.items() if name not in shared}
+        cache_arguments.update(PREFETCH_SPLITS=write.history_splits, PREFETCH_PAGES=PREFETCH_PAGES,
+                               PREFETCH_BLOCK=PREFETCH_BLOCK)
         cache_arguments.update(v_ptr=write.values, stride_v=write.values.stride(0), FLUSH_BLOCKS=flush_blocks,
                                enable_fp_fusion=False)  # the flush's quantizer rounds as the reference
     grid = (triton.cdiv(b, rows_per_program), programs)
