@@ -320,24 +320,25 @@ def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: i
     return WindowPlan(windows if num_splits > windows else 1)
 
 
-# A decode step's query/key launch prefetches into L2 the first keys of each history split where the plan has this
-# many history splits or more (`prefetched_splits`).
-PREFETCH_MIN_SPLITS = 32
+# A decode step's query/key launch prefetches into L2 the first keys of each history split at batches up to this
+# size (`prefetched_splits`).
+PREFETCH_MAX_BATCH = 1
 
 
 def prefetched_splits(layer: PagedLayer, batch_size: int, query_heads: int, max_context: int,
                       device: torch.device) -> int:
     """The history splits per (sequence, KV head) of the decode step that `attend_step` plans for `max_context`,
-    where there are PREFETCH_MIN_SPLITS or more (short splits, at small batches: 132 at batch 1 on an H100 with 8
-    KV heads), else 0. The query/key launch (`decode_query_key_write`) then prefetches into L2 the keys of each
-    split's first page. H100, random Qwen3-4B INT2 steps in one process, alternating: 1×100K 4.313–4.317 →
-    4.281–4.289 ms, 1×30K 3.770–3.771 → 3.760–3.762, 1×60K 4.014 → 3.978, 1×8K 3.651 → 3.642; at 32×32K (4 splits
-    of 128 pages) no gain within the noise (13.31 → 13.32, 13.36 → 13.50; docs/data/qk-prefetch-h100.txt)."""
+    at batches up to PREFETCH_MAX_BATCH (else 0). The query/key launch (`decode_query_key_write`) then prefetches
+    into L2 the keys of each split's first page. H100, random Qwen3-4B INT2 steps in one process, alternating:
+    1×100K 4.313–4.317 → 4.281–4.289 ms, 1×30K 3.770–3.771 → 3.760–3.762, 1×60K 4.014 → 3.978, 1×8K 3.651 →
+    3.642. Larger batches gave no clear gain: 4×32K 5.703 → 5.690 and 5.704 → 5.859 ms, 32×32K 13.31 → 13.32 and
+    13.36 → 13.50 (docs/data/qk-prefetch-h100.txt)."""
+    if batch_size > PREFETCH_MAX_BATCH:
+        return 0
     num_splits = choose_splits(layer, batch_size, 1, query_heads, max_context, device)
     if num_splits < 2:
         return 0
-    history = num_splits - window_plan(layer, batch_size, 1, query_heads, num_splits, max_context, device).splits
-    return history if history >= PREFETCH_MIN_SPLITS else 0
+    return num_splits - window_plan(layer, batch_size, 1, query_heads, num_splits, max_context, device).splits
 
 
 def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,

@@ -21,7 +21,7 @@ Rounding follows the eager modules: the norm in float32, rounded to the dtype, t
 rounded again; RoPE's q·cos and rotate_half(q)·sin each rounded, then their sum. The norm's sum may
 run in another order than PyTorch's, so a value can differ by one ulp, as with the Triton RMSNorm.
 
-With a `StepWrite` that names the attention's history splits (`ops.prefetched_splits`: batch 1 to 4), more
+With a `StepWrite` that names the attention's history splits (`ops.prefetched_splits`: at batch 1), more
 programs prefetch into L2 the keys (codes, scales, zeros) of each split's first page (`PREFETCH_PAGES`), where the
 attention's history programs will start: this launch runs for about 4 µs with the DRAM mostly idle, and every
 history program asks for its first pages at once when it starts. That took 1×100K steps of Qwen3-4B on the H100
