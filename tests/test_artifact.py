@@ -187,10 +187,17 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
     from oscarkv import models
     from oscarkv.cli import main
 
+    from oscarkv.evaluation import code
+
     def no_loading(*args, **kwargs):
         raise AssertionError("the model's weights were loaded before its arguments were checked")
 
+    def no_problems(*args, **kwargs):
+        raise AssertionError("HumanEval was loaded (fetched, the first time) before the arguments were checked")
+
+    models.model_config("smollm2-135m")  # a first run on a machine fetches and converts the model's files, with bars
     monkeypatch.setattr(models, "load_model", no_loading)
+    monkeypatch.setattr(code, "load_problems", no_problems)
     tiny = str(artifact.save(tmp_path / "tiny.safetensors"))
     mismatch = ("This rotations artifact was made for another model: num_layers is 2 in the artifact but 30 in the "
                 "model. Calibrate one for this model with `oscarkv calibrate MODEL --out rot.safetensors`.")

@@ -122,7 +122,9 @@ def test_a_device_this_machine_cannot_run_is_one_clear_line(capsys, monkeypatch)
     import torch
 
     from oscarkv.cli import main
+    from oscarkv.models import model_config
 
+    model_config("smollm2-135m")  # a first run on a machine fetches and converts the model's files, with bars
     for available, count, device, line in [
         (False, 0, "cuda", "device 'cuda': no CUDA GPU is visible on this machine; use cpu (--device cpu), or run on a "
                            "machine with a GPU."),

@@ -319,8 +319,8 @@ def cmd_eval_code(args) -> int:
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None
     cache = CacheConfig(sink_tokens=args.sink, recent_tokens=args.recent, key_centering=args.key_centering,
                         kernel=args.kernel)
-    problems = load_problems(args.limit)
     quant = _checked_quant(model_config(args.model), args, artifact)
+    problems = load_problems(args.limit)  # fetches HumanEval the first time: after the arguments are checked
     model, tokenizer = load_model(args.model, device=args.device)
     results = evaluate_code(model, tokenizer, problems, methods, quant, cache, artifact, args.max_new_tokens,
                             args.batch_size)
