@@ -182,7 +182,7 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
                                                                                  monkeypatch):
     """A group size, clip ratio, calibration option, count, context or artifact that cannot fit the model is refused
     from the model's config alone (`models.model_config`), by the CLI's calibrate, eval and serve commands and by
-    `oscarkv.load`: `models.load_model`, replaced here, is never reached.
+    `oscarkv.load`: `models.load_model`, replaced here, is never reached. So are a missing or empty --text.
     The artifact of the tiny test model has SmolLM2's model type but another depth."""
     from oscarkv import models
     from oscarkv.cli import main
@@ -202,7 +202,15 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
     mismatch = ("This rotations artifact was made for another model: num_layers is 2 in the artifact but 30 in the "
                 "model. Calibrate one for this model with `oscarkv calibrate MODEL --out rot.safetensors`.")
     out = str(tmp_path / "rot.safetensors")
+    missing, empty = str(tmp_path / "no-such.txt"), tmp_path / "empty.txt"
+    empty.write_text("\n")
     for args, line in [
+        (["calibrate", "smollm2-135m", "--out", out, "--text", missing],
+         f"text {missing!r} is neither a file nor a built-in text; use a path or one of wiki, news."),
+        (["eval", "ppl", "smollm2-135m", "--methods", "bf16", "--text", str(empty)],
+         f"the text [{str(empty)!r}] is empty; pass a file with prose in it."),
+        (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--text", missing],
+         f"text {missing!r} is neither a file nor a built-in text; use a path or one of wiki, news."),
         (["calibrate", "smollm2-135m", "--out", out, "--group-size", "48"],
          "group_size=48 must be a power of two >= 4 (e.g. 64 or 128)."),
         (["calibrate", "smollm2-135m", "--out", out, "--group-size", "128"],

@@ -59,12 +59,18 @@ def _checked_quant(config, quant_args, artifact=None):
     return quant
 
 
-def _tokens(tokenizer, sources: list[str]):
+def _read_texts(sources: list[str]) -> str:
+    """The texts (built-in names or files) joined, read before any model loads: a missing or empty file is the
+    error to report first, not after minutes of loading."""
     from .assets import load_text
 
     text = "\n\n".join(load_text(s) for s in sources)
     if not text.strip():
         raise OscarError(f"the text {sources} is empty; pass a file with prose in it.")
+    return text
+
+
+def _tokens(tokenizer, text: str):
     return tokenizer(text, return_tensors="pt").input_ids[0]
 
 
@@ -82,8 +88,9 @@ def cmd_calibrate(args) -> int:
                                key_rotations=getattr(args, "key_rotations", "layer"),
                                levels=getattr(args, "levels", "uniform"), inner=getattr(args, "inner", None))
     quant = _checked_quant(model_config(args.model), args)  # the options first: loading a model takes minutes
+    text = _read_texts(args.text)
     model, tokenizer = load_model(args.model, device=args.device)
-    artifact = calibrate(model, _tokens(tokenizer, args.text), quant, config, sources=args.text,
+    artifact = calibrate(model, _tokens(tokenizer, text), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
         print_calibration_report(artifact)
@@ -188,6 +195,7 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     config = model_config(model_name)
     check_context(config, context)
     quant = _checked_quant(config, quant_args, artifact)
+    text = _read_texts(text)
     model, tokenizer = load_model(model_name, device=device)
     if max_bits is not None and artifact is not None:
         from .calibration.selection import apply_budget
@@ -283,9 +291,10 @@ def cmd_eval_niah(args) -> int:
     config = model_config(args.model)
     check_lengths(config, lengths)
     quant = _checked_quant(config, args, artifact)
+    haystack = load_text(args.text)  # before the model: a missing file is reported first
     model, tokenizer = load_model(args.model, device=args.device)
     cache = CacheConfig(key_centering=args.key_centering, kernel=args.kernel)
-    cases = build_cases(tokenizer, load_text(args.text), lengths, depths, args.trials, cache,
+    cases = build_cases(tokenizer, haystack, lengths, depths, args.trials, cache,
                         required_bos(model, tokenizer), args.seed)
     results = evaluate_niah(model, tokenizer, cases, methods, quant, cache, artifact)
     rows = summarise(results)
