@@ -188,12 +188,14 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
             max_bits: float | None = None, key_centering: str = "auto", kernel: str = "auto") -> list[dict]:
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
-    from .evaluation.ppl import check_context, evaluate_methods
+    from .evaluation.ppl import check_context, check_windows, evaluate_methods
     from .models import attention_shape, load_model, model_config, required_bos
 
     artifact = RotationArtifact.load(rotations) if rotations else None
     config = model_config(model_name)
     check_context(config, context)
+    cache = CacheConfig(key_centering=key_centering, kernel=kernel)
+    check_windows(context, cache)
     quant = _checked_quant(config, quant_args, artifact)
     text = _read_texts(text)
     model, tokenizer = load_model(model_name, device=device)
@@ -202,7 +204,6 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
 
         apply_budget(artifact, attention_shape(model), CacheConfig(), max_bits,
                      artifact.calibration.get("budget", {}).get("context", 32768))
-    cache = CacheConfig(key_centering=key_centering, kernel=kernel)
     results = evaluate_methods(model, _tokens(tokenizer, text), methods, quant, cache, context,
                                max_tokens, artifact, required_bos(model, tokenizer))
     reference = next((r.ppl for r in results if r.method == "bf16"), None)

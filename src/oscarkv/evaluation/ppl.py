@@ -45,6 +45,15 @@ def check_context(model, context: int, fix: str | None = None) -> None:
                                 f"{fix or f'pass --context {limit} or less'}.")
 
 
+def check_windows(context: int, cache: CacheConfig) -> None:
+    """Refuse a `context` too short for any scored position to read history beyond the cache's BF16 windows."""
+    if context <= cache.sink_tokens + cache.recent_tokens + 1:
+        raise OscarError(
+            f"context {context} leaves no position whose history reaches the INT2 region "
+            f"(sink {cache.sink_tokens} + recent {cache.recent_tokens}); use a longer --context."
+        )
+
+
 def window_nll(model, window: torch.Tensor, scored_from: int) -> tuple[float, int, int]:
     """(sum of NLL, predictions scored, KV bytes) for one window through a fresh oscarkv cache."""
     device = next(model.parameters()).device
@@ -63,12 +72,8 @@ def perplexity(model, token_ids: torch.Tensor, context: int, max_tokens: int | N
     """(perplexity, tokens scored, KV bytes of one window) of a patched model on `token_ids`."""
     check_context(model, context)
     cache_config = model.oscar.cache
+    check_windows(context, cache_config)
     scored_from = cache_config.sink_tokens + cache_config.recent_tokens
-    if context <= scored_from + 1:
-        raise OscarError(
-            f"context {context} leaves no position whose history reaches the INT2 region "
-            f"(sink {cache_config.sink_tokens} + recent {cache_config.recent_tokens}); use a longer --context."
-        )
     chunks = token_chunks(token_ids.reshape(-1), context, bos_id)
     if not chunks:
         raise OscarError(f"the evaluation text has {token_ids.numel()} tokens, fewer than one window of {context}.")
