@@ -1,4 +1,5 @@
 import json
+import socket
 
 import pytest
 import torch
@@ -182,7 +183,8 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
                                                                                  monkeypatch):
     """A group size, clip ratio, calibration option, count, context or artifact that cannot fit the model is refused
     from the model's config alone (`models.model_config`), by the CLI's calibrate, eval and serve commands and by
-    `oscarkv.load`: `models.load_model`, replaced here, is never reached. So are a missing or empty --text.
+    `oscarkv.load`: `models.load_model`, replaced here, is never reached. So are a missing or empty --text, and a
+    --port that serve cannot listen on.
     The artifact of the tiny test model has SmolLM2's model type but another depth."""
     from oscarkv import models
     from oscarkv.cli import main
@@ -202,6 +204,10 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
     mismatch = ("This rotations artifact was made for another model: num_layers is 2 in the artifact but 30 in the "
                 "model. Calibrate one for this model with `oscarkv calibrate MODEL --out rot.safetensors`.")
     out = str(tmp_path / "rot.safetensors")
+    held = socket.socket()  # a port something else listens on
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    held_port = held.getsockname()[1]
     missing, empty = str(tmp_path / "no-such.txt"), tmp_path / "empty.txt"
     empty.write_text("\n")
     for args, line in [
@@ -238,9 +244,14 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
         (["eval", "ppl", "smollm2-135m", "--methods", "bf16,oscar", "--rotations", tiny], mismatch),
         (["eval", "ppl", "random:qwen3-4b", "--methods", "bf16", "--group-size", "256"],
          "group_size=256 does not divide head_dim=128; choose a group size that divides it (e.g. 64)."),
-        (["serve", "smollm2-135m", "--method", "bf16", "--max-context", "9000"],
+        (["serve", "smollm2-135m", "--method", "bf16", "--max-context", "9000", "--port", "0"],
          "--max-context 9000 is longer than the model's 8192 positions."),
-        (["serve", "smollm2-135m", "--method", "oscar", "--rotations", tiny], mismatch),
+        (["serve", "smollm2-135m", "--method", "oscar", "--rotations", tiny, "--port", "0"], mismatch),
+        (["serve", "smollm2-135m", "--method", "bf16", "--port", "99999"],
+         "--port 99999: a TCP port is a number from 0 to 65535."),
+        (["serve", "smollm2-135m", "--method", "bf16", "--port", str(held_port)],
+         f"cannot listen on 127.0.0.1:{held_port} (Address already in use); pass another --port (or --host), or stop "
+         "what holds it."),
         (["serve", "smollm2-135m", "--method", "oscar-paper"],
          "method 'oscar-paper' needs a rotations artifact: pass --rotations FILE, or serve --method bf16 (make one "
          "with `oscarkv calibrate MODEL --out FILE`)."),
@@ -248,6 +259,7 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
         capsys.readouterr()
         assert main(args) == 2, args
         assert capsys.readouterr().err.strip().splitlines() == ["oscarkv: error: " + line], args
+    held.close()
     assert not (tmp_path / "rot.safetensors").exists()
     # The Python API's one-call form, likewise.
     import oscarkv

@@ -110,7 +110,7 @@ def test_serve_flag_reaches_the_served_model(monkeypatch, eager):
     monkeypatch.setattr(oscarkv.models, "load_model", lambda name, device=None: (model, TokenIdTokenizer(128)))
     monkeypatch.setattr(oscarkv.models, "model_config", lambda name: model.config)  # read before the weights
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
-    assert main(["serve", "tiny", "--method", "hadamard", "--max-seqs", "2"]
+    assert main(["serve", "tiny", "--method", "hadamard", "--max-seqs", "2", "--port", "0"]
                 + (["--eager-small-ops", "--cublas"] if eager else [])) == 0
     assert model.oscar.cache.compile_small_ops is (not eager)
     assert model.oscar.cache.decode_gemv is (not eager)

@@ -134,7 +134,7 @@ def test_a_device_this_machine_cannot_run_is_one_clear_line(capsys, monkeypatch)
         monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
         monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
         for args in (["eval", "ppl", "smollm2-135m", "--methods", "bf16"], ["calibrate", "smollm2-135m", "--out", "x"],
-                     ["serve", "smollm2-135m", "--method", "bf16"]):
+                     ["serve", "smollm2-135m", "--method", "bf16", "--port", "0"]):
             capsys.readouterr()
             assert main(args + ["--device", device]) == 2, (args, device)
             assert capsys.readouterr().err.strip().splitlines() == ["oscarkv: error: " + line], (args, device)

@@ -493,10 +493,11 @@ def cmd_serve(args) -> int:
     from .methods import check_methods
     from .models import check_artifact_shapes, load_model, model_config
     from .serving.api import create_app
-    from .serving.build import build_engine, check_max_context
+    from .serving.build import build_engine, check_address, check_max_context
     from .serving.engine import EngineConfig
 
     check_methods([args.method], args.rotations is not None, how="pass --rotations FILE, or serve --method bf16")
+    check_address(args.host, args.port)
     # The artifact and the limits against the model's config first: its weights may take minutes to load.
     settings = model_config(args.model)
     artifact = RotationArtifact.load(args.rotations) if args.rotations else None

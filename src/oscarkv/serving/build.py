@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import replace
 
 from ..config import CacheConfig, QuantConfig
@@ -10,6 +11,25 @@ from ..methods import SERVE_METHODS
 from .engine import Engine, EngineConfig
 from ..integrations.slots import DenseSlotCache, PagedSlotCache
 
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse a --host / --port this machine cannot listen on, before the model loads: uvicorn would say so only
+    after the loading and the warm-up. The port is bound and let go at once, as uvicorn binds it (SO_REUSEADDR)."""
+    if not 0 <= port <= 65535:
+        raise OscarError(f"--port {port}: a TCP port is a number from 0 to 65535.")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise OscarError(f"--host {host}: not a host name or address this machine knows ({exc.strerror}); use "
+                         "127.0.0.1, or 0.0.0.0 for every interface.") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OscarError(f"cannot listen on {host}:{port} ({exc.strerror}); pass another --port (or --host), or "
+                             "stop what holds it.") from None
 
 
 def check_max_context(config: EngineConfig, model_config) -> None:
