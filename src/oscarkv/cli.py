@@ -88,9 +88,9 @@ def cmd_calibrate(args) -> int:
                                key_rotations=getattr(args, "key_rotations", "layer"),
                                levels=getattr(args, "levels", "uniform"), inner=getattr(args, "inner", None))
     quant = _checked_quant(model_config(args.model), args)  # the options first: loading a model takes minutes
-    text = _read_texts(args.text)
+    prose = _read_texts(args.text)
     model, tokenizer = load_model(args.model, device=args.device)
-    artifact = calibrate(model, _tokens(tokenizer, text), quant, config, sources=args.text,
+    artifact = calibrate(model, _tokens(tokenizer, prose), quant, config, sources=args.text,
                          bos_id=required_bos(model, tokenizer))
     if artifact.method == "oscar":
         print_calibration_report(artifact)
@@ -197,14 +197,14 @@ def run_ppl(model_name: str, methods: list[str], rotations: str | None, text: li
     cache = CacheConfig(key_centering=key_centering, kernel=kernel)
     check_windows(context, cache)
     quant = _checked_quant(config, quant_args, artifact)
-    text = _read_texts(text)
+    prose = _read_texts(text)
     model, tokenizer = load_model(model_name, device=device)
     if max_bits is not None and artifact is not None:
         from .calibration.selection import apply_budget
 
         apply_budget(artifact, attention_shape(model), CacheConfig(), max_bits,
                      artifact.calibration.get("budget", {}).get("context", 32768))
-    results = evaluate_methods(model, _tokens(tokenizer, text), methods, quant, cache, context,
+    results = evaluate_methods(model, _tokens(tokenizer, prose), methods, quant, cache, context,
                                max_tokens, artifact, required_bos(model, tokenizer))
     reference = next((r.ppl for r in results if r.method == "bf16"), None)
     rows = []
@@ -569,7 +569,8 @@ def _bench_serve(args) -> int:
 
 
 def version_line() -> str:
-    """oscarkv's version and those of the libraries it runs on, from their installed metadata (nothing imported)."""
+    """oscarkv's version and those of the libraries it runs on, from their installed metadata (the libraries are not
+    imported)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from . import __version__
@@ -583,20 +584,9 @@ def version_line() -> str:
     return f"oscarkv {__version__} ({', '.join(installed(name) for name in ('torch', 'transformers', 'triton'))})"
 
 
-class _VersionAction(argparse.Action):
-    """--version: `version_line`, computed only when asked."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(version_line())
-        parser.exit()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscarkv", description=__doc__)
-    parser.add_argument("--version", action=_VersionAction,
+    parser.add_argument("--version", action="version", version=version_line(),  # metadata only: about 3 ms
                         help="print the versions of oscarkv, torch, transformers and triton, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
