@@ -308,9 +308,7 @@ def test_prefetched_keys_are_the_first_pages_each_history_split_reads(splits, bl
     got, bt, lengths = got.cpu(), bt.cpu(), batch.lengths.cpu()
     expected = torch.full_like(got, -1)
     for b, slot in enumerate(slots):
-        stored = int(lengths[b])
-        history_end = 16 + 16 * (max(stored + 1 - 16 - 32, 0) // 16)
-        history_pages = -(-max(min(stored, history_end) - 16, 0) // 16)
+        history_pages = layout.pages_needed(int(lengths[b]) + 1)  # the history pages this decode step reads
         share = -(-history_pages // splits)
         for s in range(splits):
             for j in range(min(pages, share)):
