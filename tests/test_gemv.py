@@ -1,4 +1,5 @@
-"""The batch-1 matrix-vector kernels against F.linear, and `gemv_linears` swapping them in and back."""
+"""The decode steps' linear kernels (batch 1: matrix-vector; batch 2 to 32: few rows, split-K) against F.linear,
+and `gemv_linears` swapping them in and back."""
 
 from __future__ import annotations
 
@@ -34,12 +35,99 @@ def test_kernel_matches_linear(n, k, dtype, bias):
     torch.testing.assert_close(out.double(), expected, rtol=2.0**-8, atol=1e-3 * k**0.5)
 
 
-def test_only_single_rows_take_the_kernel():
+def test_decode_batches_take_the_kernels():
+    from oscarkv.kernels.triton_gemv import MAX_ROWS
+
     linear = torch.nn.Linear(64, 8, bias=False).to(DEVICE, torch.bfloat16)
-    assert takes_gemv(linear, torch.randn(1, 1, 64, device=DEVICE, dtype=torch.bfloat16))
-    assert not takes_gemv(linear, torch.randn(2, 1, 64, device=DEVICE, dtype=torch.bfloat16))  # batch 2
+    for rows in (1, 2, MAX_ROWS):
+        assert takes_gemv(linear, torch.randn(rows, 1, 64, device=DEVICE, dtype=torch.bfloat16))
+    assert not takes_gemv(linear, torch.randn(MAX_ROWS + 1, 1, 64, device=DEVICE, dtype=torch.bfloat16))
+    assert not takes_gemv(linear, torch.randn(0, 1, 64, device=DEVICE, dtype=torch.bfloat16))
     assert not takes_gemv(linear, torch.randn(1, 64, device=DEVICE))  # float32
     assert not takes_gemv(linear.float(), torch.randn(1, 64, device=DEVICE))
+
+
+# Tiles small enough for the CPU interpreter; SPLIT_TILE splits K over several programs per tile (split-K)
+# wherever there are few tiles (4 multiprocessors off CUDA, so 8 waves ask for up to 32 programs).
+SMALL_TILE = dict(block_n=16, block_k=32, warps=4, stages=2, waves=0.5)
+SPLIT_TILE = dict(block_n=16, block_k=32, warps=4, stages=2, waves=8.0)
+
+
+def _tile(name: str):
+    from oscarkv.kernels.triton_gemv import ROW_TILE, RowTile
+
+    return ROW_TILE if name == "default" else RowTile(**(SMALL_TILE if name == "small" else SPLIT_TILE))
+
+
+@pytest.mark.parametrize("m,n,k", [(2, 7, 40), (5, 33, 300), (32, 20, 130), (3, 70, 1000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", ["small", "split"])
+def test_few_rows_kernel_matches_linear(m, n, k, dtype, tile):
+    """Each output element is one row of x times one weight row, summed in float32 and rounded once,
+    whether a tile's columns are in one program or split over several (partial sums added in split order)."""
+    from oscarkv.kernels.triton_gemv import launch_gemv
+
+    g = torch.Generator().manual_seed(m + n + k)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    launch_gemv(x, w, b, out, tile=_tile(tile))
+    expected = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(out.double(), expected, rtol=2.0**-8, atol=1e-3 * k**0.5)
+
+
+def test_split_k_programs_leave_their_counts_at_zero_and_repeat_exactly():
+    """The last program of each tile adds the partial sums and sets the tile's arrival count back to 0, so the
+    next launch (or CUDA-graph replay) starts from zeros; the sum does not depend on which program came last."""
+    from oscarkv.kernels import triton_gemv
+    from oscarkv.kernels.ops import _multiprocessor_count
+
+    tile = _tile("split")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 600, generator=g).to(DEVICE, torch.bfloat16)
+    x = torch.randn(3, 600, generator=g).to(DEVICE, torch.bfloat16)
+    tiles = -(-40 // tile.block_n)
+    splits, _ = tile.splits(tiles, 600, _multiprocessor_count(x.device))
+    assert splits > 1
+    outs = []
+    for _ in range(2):
+        outs.append(torch.full((3, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+        triton_gemv.launch_gemv(x, w, None, outs[-1], tile=tile)
+        counts = triton_gemv._split_counts(x.device, tiles)
+        assert not counts.any()
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), F.linear(x.double(), w.double()), rtol=2.0**-8, atol=0.03)
+
+
+@pytest.mark.parametrize("tile", ["small", "split"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_few_rows_launch_for_three_weights_equals_three_launches(tile, bias):
+    from oscarkv.kernels.triton_gemv import launch_gemv
+
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, 300, generator=g).to(DEVICE, torch.bfloat16) for n in (33, 8, 7)]
+    biases = [torch.randn(n, generator=g).to(DEVICE, torch.bfloat16) if bias else None for n in (33, 8, 7)]
+    x = torch.randn(4, 300, generator=g).to(DEVICE, torch.bfloat16)
+    fused = torch.full((4, 48), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    launch_gemv(x, weights, biases, fused, tile=_tile(tile))
+    alone = []
+    for w, b in zip(weights, biases):
+        alone.append(torch.full((4, w.shape[0]), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+        launch_gemv(x, w, b, alone[-1], tile=_tile(tile))
+    assert torch.equal(fused, torch.cat(alone, dim=1))
+
+
+def test_more_rows_than_the_kernels_take_are_refused():
+    from oscarkv.kernels.triton_gemv import MAX_ROWS, launch_gemv, launch_gemv_silu_mul
+
+    w = torch.zeros(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(MAX_ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(MAX_ROWS + 1, 8, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"1 to {MAX_ROWS} input rows, not {MAX_ROWS + 1}"):
+        launch_gemv(x, w, None, out)
+    with pytest.raises(ValueError, match=f"1 to {MAX_ROWS} input rows"):
+        launch_gemv_silu_mul(x, w, w, out)
 
 
 def _reference_silu_mul(x, gate, up):
@@ -70,6 +158,18 @@ def test_one_launch_for_three_weights_equals_three_launches(bias):
         launch_gemv(x, weights, [None, None, torch.zeros(7, dtype=torch.bfloat16, device=DEVICE)], fused)
 
 
+@pytest.mark.parametrize("m,tile", [(3, "small"), (17, "split")])
+def test_few_rows_silu_mul_kernel(m, tile):
+    from oscarkv.kernels.triton_gemv import launch_gemv_silu_mul
+
+    g = torch.Generator().manual_seed(m)
+    gate, up = (torch.randn(40, 500, generator=g).mul(500**-0.5).to(DEVICE, torch.bfloat16) for _ in range(2))
+    x = torch.randn(m, 500, generator=g).to(DEVICE, torch.bfloat16)
+    out = torch.full((m, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    launch_gemv_silu_mul(x, gate, up, out, tile=_tile(tile))
+    torch.testing.assert_close(out.float(), _reference_silu_mul(x, gate, up).float(), rtol=2.0**-7, atol=1e-6)
+
+
 @pytest.mark.parametrize("n,k", [(1, 16), (33, 2500), (5, 40000)])  # 40000: a row longer than one load
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_silu_mul_kernel(n, k, dtype):
@@ -98,9 +198,11 @@ def _count_launches(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("family,compiled", [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", False),
                                              ("gemma3", False)])
 def test_model_forward_with_the_kernels(family, compiled, monkeypatch):
-    """One decode token through a bfloat16 model: q/k/v in one launch, a gated SiLU MLP's gate and up
-    in one (not Gemma's GELU MLP), the logits of F.linear within rounding; a two-row batch goes to what
-    ran before unchanged, and the model's own forwards are back after."""
+    """Decode tokens through a bfloat16 model, one row and a batch of two: q/k/v in one launch, a gated SiLU
+    MLP's gate and up in one (not Gemma's GELU MLP), the logits of F.linear within rounding; a prompt of
+    MAX_ROWS + 1 tokens goes to what ran before unchanged, and the model's own forwards are back after."""
+    from oscarkv.kernels.triton_gemv import MAX_ROWS
+
     if compiled and not fused_ops.can_compile():
         pytest.skip("torch.compile does not run in this Python")
     # One layer (two of Gemma 3's): the launches repeat per layer, and each costs seconds in the CPU interpreter.
@@ -108,17 +210,19 @@ def test_model_forward_with_the_kernels(family, compiled, monkeypatch):
                        layers=2 if family == "gemma3" else 1).to(DEVICE)
     ids = torch.randint(0, 128, (1, 1), device=DEVICE)
     pair = torch.randint(0, 128, (2, 1), device=DEVICE)
+    prompt = torch.randint(0, 128, (1, MAX_ROWS + 1), device=DEVICE)
     launches = _count_launches(monkeypatch)
     with torch.no_grad():
-        expected, expected_pair = model(ids).logits.float(), model(pair).logits
+        expected, expected_pair, expected_prompt = (model(i).logits.float() for i in (ids, pair, prompt))
         with compiled_small_ops(model, enabled=compiled, backend="eager"), gemv_linears(model):
-            got, got_pair = model(ids).logits.float(), model(pair).logits
+            got, got_pair, got_prompt = (model(i).logits.float() for i in (ids, pair, prompt))
     assert not any("forward" in vars(m) for m in model.modules())
     layers = model.config.num_hidden_layers
     mlp = ["launch_gemv_silu_mul", "launch_gemv"] if family != "gemma3" else ["launch_gemv"] * 3
-    assert launches == (["launch_gemv", "launch_gemv"] + mlp) * layers + ["launch_gemv"]  # + the LM head
-    assert torch.equal(got_pair, expected_pair)
-    torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+    assert launches == ((["launch_gemv", "launch_gemv"] + mlp) * layers + ["launch_gemv"]) * 2  # + the LM head
+    assert torch.equal(got_prompt, expected_prompt)
+    for g, e in ((got, expected), (got_pair, expected_pair)):
+        torch.testing.assert_close(g, e, atol=0.05 * e.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
@@ -166,16 +270,18 @@ def test_disabled_swaps_nothing():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the static decode path runs the kernels on CUDA only")
 @pytest.mark.parametrize("method", ["hadamard", "bf16"])
-def test_static_decode_at_batch_one_replays_what_it_runs(method, monkeypatch):
-    """Batch-1 static decoding of a bfloat16 model goes through the kernels (kept q/k/v outputs and
-    overlapped launches included), and the CUDA graph's replays give the tokens of the eager steps."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_decode_replays_what_it_runs(method, batch, monkeypatch):
+    """Static decoding of a bfloat16 model at batch 1 (matrix-vector kernels) and 3 (few-rows kernels) goes
+    through the kernels (kept q/k/v outputs and overlapped launches included), and the CUDA graph's replays
+    give the tokens of the eager steps."""
     import oscarkv
     from oscarkv.config import CacheConfig
     from oscarkv.integrations.static_decode import generate_static
 
     model = tiny_model("qwen3", dtype=torch.bfloat16, head_dim=64, attention_scale=3.0).to(DEVICE)
     oscarkv.patch(model, method=method, cache=CacheConfig(sink_tokens=16, recent_tokens=32, page_size=16))
-    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids = torch.randint(0, 128, (batch, 70), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     launches = _count_launches(monkeypatch)
     eager = generate_static(model, ids, 30, graphs=False)
     assert "launch_gemv_silu_mul" in launches

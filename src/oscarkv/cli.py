@@ -737,8 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps (default: compiled by torch.compile, the RMSNorms as a Triton kernel with the "
                         "residual adds, CacheConfig.compile_small_ops)")
     b.add_argument("--cublas", action="store_true",
-                   help="run batch-1 linear layers through cuBLAS (default: the Triton matrix-vector kernels, "
-                        "CacheConfig.decode_gemv)")
+                   help="run the decode steps' linear layers through cuBLAS (default: Triton kernels at batch 1 "
+                        "to 32, CacheConfig.decode_gemv)")
     b.add_argument("--save", default=None, help="write the results to this JSON file")
     b.add_argument("--plot", default=None, help="write the tokens/s vs context plot to this PNG")
     b.add_argument("--from-json", nargs="+", default=None,
@@ -772,8 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "PyTorch in the decode graphs (default: compiled by torch.compile, the RMSNorms as a Triton "
                         "kernel with the residual adds; with --cublas, eager gives transformers' rounding exactly)")
     p.add_argument("--cublas", action="store_true",
-                   help="on CUDA, run batch-1 decode steps' linear layers through cuBLAS (default: the Triton "
-                        "matrix-vector kernels, CacheConfig.decode_gemv)")
+                   help="on CUDA, run the decode steps' linear layers through cuBLAS (default: Triton kernels "
+                        "at batch 1 to 32, CacheConfig.decode_gemv)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="on CUDA, skip running every batch size once before serving (kernels then compile "
                         "during the first requests)")

@@ -98,9 +98,10 @@ class CacheConfig:
         (`oscarkv.integrations.norms`), and the attention's q/k norms, rotary embedding and query
         rotation in one Triton launch (`oscarkv.integrations.decode_attention`); False runs them
         as eager PyTorch.
-    decode_gemv: the static decode path (CUDA) runs a batch-1 step's linear layers as Triton
-        matrix-vector products instead of cuBLAS, q/k/v and a gated MLP's gate/up in one launch
-        each (`oscarkv.integrations.gemv`); False keeps cuBLAS.
+    decode_gemv: the static decode path (CUDA) runs a decode step's linear layers as Triton
+        products instead of cuBLAS (batch 1: matrix-vector kernels; batch 2 to 32: few-rows
+        tensor-core kernels), q/k/v and a gated MLP's gate/up in one launch each
+        (`oscarkv.integrations.gemv`); False keeps cuBLAS.
     key_centering: how the keys of a centered artifact (SPEC §6) are centered. "fixed": every key
         minus μ_K, the mean calibration measured at positions [0, chunk). "rope": a history key
         at position p is centered by R(o)·μ_K instead, the same mean turned by RoPE to its block

@@ -77,7 +77,7 @@ class Settings:
     steps: int = 128
     memory_margin_gib: float = 6.0
     compile_small_ops: bool = True  # CacheConfig.compile_small_ops of both caches' static steps
-    decode_gemv: bool = True  # CacheConfig.decode_gemv: batch-1 linear products by the Triton kernel
+    decode_gemv: bool = True  # CacheConfig.decode_gemv: linear products of batches 1-32 by the Triton kernels
 
 
 def weight_bytes(model) -> int:
@@ -158,7 +158,7 @@ def decode_run(model, name: str, batch: int, context: int, steps: int, weights: 
                compile_small_ops: bool = True, decode_gemv: bool = True) -> DecodeRun:
     """Fill a fresh cache of `batch` slots to `context` tokens, then time `steps` graph-replayed steps
     (compile_small_ops: the static steps' norms, MLPs and rotary embedding compiled, the default;
-    decode_gemv: batch-1 linear products by the Triton kernel, the default)."""
+    decode_gemv: the linear products of batches of 1 to 32 by the Triton kernels, the default)."""
     release_memory()  # the previous run's cache, now garbage
     _patch(model, name, compile_small_ops, decode_gemv)
     warmup = 2

@@ -1,15 +1,17 @@
-"""Batch-1 decode steps: the model's linear layers as Triton matrix-vector products.
+"""Decode steps: the model's linear layers as Triton matrix-vector and few-rows products.
 
-`gemv_linears(model)` swaps, for the duration of a `with` block, forwards that send a single
-input row (a batch-1 decode step) to the kernels of `kernels/triton_gemv.py`, and anything
-else to what ran before. On exit the model's own forwards are back.
+`gemv_linears(model)` swaps, for the duration of a `with` block, forwards that send 1 to
+`MAX_ROWS` (32) input rows (a decode step's batch) to the kernels of `kernels/triton_gemv.py`
+(one row: the matrix-vector kernels; more: the few-rows kernels), and anything else to what
+ran before. On exit the model's own forwards are back.
 - **Every `nn.Linear`**: one product, `oscarkv::gemv`. It is a torch custom op, so the MLP
   forwards that `compiled_small_ops` compiles (where the MLP is not one of the gated ones
   below) call it as one opaque kernel.
 - **The q, k and v projections of an attention module** (plain `nn.Linear`s of the same input
   size, with biases on all three or none): the first of them called with a row computes all
   three in one launch and keeps the other two outputs for their calls with the same input
-  tensor (`SharedInputProjections`). Called with any other input, a projection computes alone.
+  tensor (`SharedInputProjections`; with several rows, the outputs are column slices of one
+  [M, ΣN] result). Called with any other input, a projection computes alone.
 - **A gated SiLU MLP** (`GATED_SILU_MLPS`: down(silu(gate(x)) * up(x)) without biases): one
   launch for silu(gate·x) * up·x, then the down projection. Other rows go to the forward that
   was in place when the block began (the compiled one inside `compiled_small_ops`).
@@ -41,34 +43,41 @@ SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
 
 @torch.library.custom_op("oscarkv::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """weight [N, K] · x [K] (+ bias) -> [N], by the Triton kernel."""
+    """x [K] or [M, K] times weight [N, K]ᵀ (+ bias) -> [N] or [M, N], by the Triton kernels."""
     from ..kernels.triton_gemv import launch_gemv
 
-    out = torch.empty(weight.shape[0], dtype=x.dtype, device=x.device)
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
     launch_gemv(x, weight, bias, out, overlap=overlaps_launches(x))
     return out
 
 
 @gemv.register_fake
 def _gemv_shape(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(weight.shape[0])
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def input_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the kernels take it: [K] for one row, else [M, K], contiguous."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.reshape(-1).contiguous() if rows == 1 else x.reshape(rows, x.shape[-1]).contiguous()
 
 
 def takes_gemv(linear: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether `x` is one row that the kernel handles: same half-precision dtype as the weight, a weight
-    with unit stride along K, on CUDA (or under the Triton interpreter)."""
+    """Whether `x` is 1 to MAX_ROWS rows (a decode step's batch) that the kernels handle: same half-precision
+    dtype as the weight, a weight with unit stride along K, on CUDA (or under the Triton interpreter)."""
     from ..kernels.ops import resolve_backend
-    from ..kernels.triton_gemv import GEMV_DTYPES
+    from ..kernels.triton_gemv import GEMV_DTYPES, MAX_ROWS
 
     weight = linear.weight
-    return (x.numel() == x.shape[-1] == weight.shape[1] and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
+    return (x.dim() >= 1 and x.shape[-1] == weight.shape[1] > 0 and 1 <= x.numel() // x.shape[-1] <= MAX_ROWS
+            and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
             and weight.stride(1) == 1 and (linear.bias is None or linear.bias.dtype == x.dtype)
             and resolve_backend("auto", x.device) == "triton")
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if takes_gemv(self, x):
-        y = torch.ops.oscarkv.gemv(x.reshape(-1).contiguous(), self.weight, self.bias)
+        y = torch.ops.oscarkv.gemv(input_rows(x), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.weight.shape[0])
     return F.linear(x, self.weight, self.bias)
 
@@ -99,10 +108,11 @@ class SharedInputProjections:
         from ..kernels.triton_gemv import launch_gemv
 
         sizes = [m.out_features for m in self.linears]
-        flat = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
-        launch_gemv(x.reshape(-1).contiguous(), [m.weight for m in self.linears], [m.bias for m in self.linears],
-                    flat, overlap=overlaps_launches(x))
-        outputs = [y.view(*x.shape[:-1], y.shape[0]) for y in flat.split(sizes)]
+        rows = input_rows(x)
+        joined = x.new_empty(*rows.shape[:-1], sum(sizes))
+        launch_gemv(rows, [m.weight for m in self.linears], [m.bias for m in self.linears], joined,
+                    overlap=overlaps_launches(x))
+        outputs = [y.view(*x.shape[:-1], y.shape[-1]) for y in joined.split(sizes, dim=-1)]
         self.source = x
         self.pending = {i: y for i, y in enumerate(outputs) if i != index}
         return outputs[index]
@@ -125,8 +135,9 @@ def _gated_silu_forward(self: nn.Module, previous: Callable, x: torch.Tensor) ->
         return previous(x)
     from ..kernels.triton_gemv import launch_gemv_silu_mul
 
-    hidden = torch.empty(gate.out_features, dtype=x.dtype, device=x.device)
-    launch_gemv_silu_mul(x.reshape(-1).contiguous(), gate.weight, up.weight, hidden, overlap=overlaps_launches(x))
+    rows = input_rows(x)
+    hidden = x.new_empty(*rows.shape[:-1], gate.out_features)
+    launch_gemv_silu_mul(rows, gate.weight, up.weight, hidden, overlap=overlaps_launches(x))
     return self.down_proj(hidden.view(*x.shape[:-1], gate.out_features))
 
 
@@ -140,7 +151,7 @@ def attention_projections(module: nn.Module) -> list[nn.Linear] | None:
 
 @contextmanager
 def gemv_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Run the model's single-row linear products through the Triton kernels inside the block (see the
+    """Run the model's decode-step linear products (1 to MAX_ROWS rows) through the Triton kernels inside the block (see the
     module doc). Enter it inside `compiled_small_ops`, so that other rows keep the compiled MLPs."""
     groups: list[SharedInputProjections] = []
     try:

@@ -72,15 +72,16 @@ def compiles_small_ops(model) -> bool:
 
 
 def uses_gemv(model) -> bool:
-    """Whether the static steps of this model send batch-1 linear products to the Triton kernel (CUDA only)."""
+    """Whether the static steps of this model send their linear products (batch 1 to 32) to the Triton kernels
+    (CUDA only)."""
     return _cuda_step_option(model, "decode_gemv")
 
 
 @contextmanager
 def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
     """The static steps' own operations: compiled small ops (`fused_ops`) with the Triton RMSNorm (`norms`) and
-    the attention's queries and keys prepared in one launch (`decode_attention`), and batch-1 matrix-vector
-    products (`gemv`), each where the model's CacheConfig asks for it."""
+    the attention's queries and keys prepared in one launch (`decode_attention`), and the linear products of
+    batches of 1 to 32 rows (`gemv`), each where the model's CacheConfig asks for it."""
     small_ops = enabled and compiles_small_ops(model)
     # inside the compiled ops: rows the kernels do not take keep the compiled norms and MLPs
     with compiled_small_ops(model, small_ops), triton_norms(model, small_ops), \

@@ -40,6 +40,8 @@ ROTATE_TYPES = dict(q_ptr=WINDOW, r_ptr="*fp32", out_ptr=WINDOW, rows="i32", n="
 GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", b0_ptr="*bf16", b1_ptr="*bf16",
                   b2_ptr="*bf16", y_ptr="*bf16", N0="i32", N1="i32", N2="i32")
 GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
+ROWS_TYPES = {**GEMV_TYPES, **GEMV_SILU_TYPES, **dict(partial_ptr="*fp32", count_ptr="*i32", M="i32", stride_x="i32",
+                                                    stride_y="i32")}
 # The query/key launch's cache-write arguments are the write kernel's (`compile_kernel` reads only its own names).
 DECODE_QK_TYPES = {**WRITE_TYPES, **dict(
     q_ptr=WINDOW, k_ptr=WINDOW, qw_ptr=WINDOW, kw_ptr=WINDOW, cos_ptr=WINDOW, sin_ptr=WINDOW, r_ptr="*fp32",
@@ -207,6 +209,20 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
              "N=2560, residual")):
         warps = triton_norm.norm_warps(2560) if fn is triton_norm._rms_norm_kernel else 4
         seconds = _compile(fn, types, constexprs, arch, num_warps=warps, num_stages=1)
+        count += 1
+        if verbose:
+            print(f"sm_{arch} {fn.__name__:<24} {label} ok ({seconds:.1f} s)", flush=True)
+    # linear layers of batches of 2 to 32 rows: q/k/v in one launch, its columns in one program and split over
+    # three (split-K); the gated MLP's first half, split over two
+    tile = triton_gemv.ROW_TILE
+    rows = dict(BLOCK_N=tile.block_n, BLOCK_M=32, BLOCK_K=tile.block_k, DOT_DTYPE=tl.bfloat16, OVERLAP=arch >= 90)
+    qkv = dict(rows, K=2560, SEGMENTS=3, HAS_BIAS=True, stride0=2560, stride1=2560, stride2=2560)
+    for fn, constexprs, label in (
+            (triton_gemv._rows_kernel, dict(qkv, SPLITS=1, K_SPLIT=2560), "K=2560, M=32"),
+            (triton_gemv._rows_kernel, dict(qkv, SPLITS=3, K_SPLIT=896), "K=2560, M=32, 3 splits"),
+            (triton_gemv._rows_silu_mul_kernel, dict(rows, K=2560, SPLITS=2, K_SPLIT=1280, stride_g=2560,
+                                                     stride_u=2560), "K=2560, M=32, 2 splits")):
+        seconds = _compile(fn, ROWS_TYPES, constexprs, arch, num_warps=tile.warps, num_stages=tile.stages)
         count += 1
         if verbose:
             print(f"sm_{arch} {fn.__name__:<24} {label} ok ({seconds:.1f} s)", flush=True)

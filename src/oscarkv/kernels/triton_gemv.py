@@ -1,4 +1,5 @@
-"""Triton kernels: y = W·x for one input row (a batch-1 decode step's linear layers).
+"""Triton kernels for a decode step's linear layers: y = x·Wᵀ for one input row (matrix-vector) or a few
+(2 to MAX_ROWS: a batch of decode steps).
 
 At batch 1 a linear layer reads its whole weight for one output row, so its time is the
 weight's bytes over the memory bandwidth plus each launch's fixed cost: the ramp up of its
@@ -18,11 +19,29 @@ first programs and the tail of its last. Three things keep that fixed cost small
 
 On the H100, the products of 36 Qwen3-4B layers in one CUDA graph take 2.52 ms this way (95%
 of the copy bandwidth) against 3.05 ms with one K-blocked launch per product
-(docs/data/gemv-chain-h100.txt). Products sum in float32, each row's sum in the same order
-whatever launch it is in. Reference: `torch.nn.functional.linear` (and `F.silu`).
+(docs/data/gemv-chain-h100.txt).
+
+**A few rows** (`_rows_kernel`, `_rows_silu_mul_kernel`; the same launchers, given x [M, K]). Each
+weight element now meets M inputs, too many multiply-adds for the CUDA cores at M = 32, so tiles of
+BLOCK_N weight rows go through tensor-core dots with all M rows (padded to 16 or 32), BLOCK_K columns
+at a time, pipelined. cuBLAS reads these skinny products at 55-60% of the copy bandwidth on the H200;
+what this adds:
+- **Split-K for the few tiles.** A layer has a few dozen 64-row tiles (o and down: 40), far fewer than
+  multiprocessors, so each tile's columns are split over several programs (about one program per
+  multiprocessor in all, `RowTile.waves`). Each stores its partial sums; the last of a tile's programs
+  to arrive (an atomic count, which it sets back to zero) adds them in split order and writes the
+  result, so there is no second launch and the sum does not depend on which program came last.
+- **The first weight tile before the wait**, as at batch 1.
+- The same fusions: q/k/v in one launch, gate/up with silu·up in one.
+
+Products sum in float32, each row's sum in the same order whatever launch it is in (a row of a batch may
+differ from the same row alone by a rounding: other kernels, as with cuBLAS); reference:
+`torch.nn.functional.linear` (and `F.silu`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,6 +54,7 @@ BLOCK_N = 1
 CHUNK = 16384  # columns per load; rows longer than this loop
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SEGMENTS = 3
+MAX_ROWS = 32  # input rows the few-rows kernels take (a decode step's batch); more go to cuBLAS
 
 
 @triton.jit
@@ -113,15 +133,217 @@ def _gemv_silu_mul_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N, stride_g: tl.constexp
     tl.store(y_ptr + rows, _round_to(activated * up, dtype).to(dtype), mask=row_ok)
 
 
+@triton.jit
+def _row_tile_products(x_ptr, M, stride_x, w_rows, u_rows, row_ok, k_begin, k_end, K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       OVERLAP: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_M]: the weight rows at `w_rows` ([BLOCK_N, 1] pointers) times the first M rows of
+    x [M, K] (row stride stride_x), over columns [k_begin, k_end), by tensor-core dots over BLOCK_K columns at a
+    time; with PAIR also the rows at `u_rows` in the same pass (else the second result is the first).
+    DOT_DTYPE: the dots' operand type (the weights' on the GPU; float32 in the CPU interpreter, whose bfloat16
+    dots are wrong)."""
+    m = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    x_cols = x_ptr + m[None, :].to(tl.int64) * stride_x
+    # the first weight columns before the wait for the kernel before (they do not depend on it)
+    k = k_begin + kk
+    w_mask = row_ok[:, None] & (k < K)[None, :]
+    w_first = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE)
+    u_first = w_first
+    if PAIR:
+        u_first = tl.load(u_rows + k[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE)
+    if OVERLAP:
+        gdc_wait()
+    x = tl.load(x_cols + k[:, None], mask=(k < K)[:, None] & (m < M)[None, :], other=0.0).to(DOT_DTYPE)
+    acc = tl.dot(w_first, x)
+    acc_u = acc
+    if PAIR:
+        acc_u = tl.dot(u_first, x)
+    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        k = k0 + kk
+        w_mask = row_ok[:, None] & (k < K)[None, :]
+        x = tl.load(x_cols + k[:, None], mask=(k < K)[:, None] & (m < M)[None, :], other=0.0).to(DOT_DTYPE)
+        acc = tl.dot(tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE), x, acc)
+        if PAIR:
+            acc_u = tl.dot(tl.load(u_rows + k[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE), x, acc_u)
+    if PAIR:
+        return acc, acc_u
+    return acc, acc
+
+
+@triton.jit
+def _tile_and_split(SPLITS: tl.constexpr):
+    """(tile, split) of this program: SPLITS consecutive programs per tile."""
+    tile = tl.program_id(0)
+    split = tile * 0
+    if SPLITS > 1:
+        split = tile % SPLITS
+        tile = tile // SPLITS
+    return tile, split
+
+
+@triton.jit
+def _sum_splits(acc, acc_u, partial_ptr, count_ptr, tile, split, SPLITS: tl.constexpr, PAIR: tl.constexpr):
+    """Split-K: each of a tile's SPLITS programs stores its partial sums, and the last one to arrive (an atomic
+    count per tile, which it sets back to 0) adds them all in split order, so that the result does not depend on
+    which program came last. Returns (whether this program is the last, the sums, the second sums of PAIR)."""
+    last = split == 0
+    total, total_u = acc, acc_u
+    if SPLITS > 1:
+        BLOCK_N: tl.constexpr = acc.shape[0]
+        BLOCK_M: tl.constexpr = acc.shape[1]
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M * (2 if PAIR else 1)
+        at = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        base = partial_ptr + tile.to(tl.int64) * SPLITS * TILE
+        tl.store(base + split * TILE + at, acc)
+        if PAIR:
+            tl.store(base + split * TILE + BLOCK_N * BLOCK_M + at, acc_u)
+        tl.debug_barrier()  # every thread's partial stored before the count (released by the atomic) goes up
+        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+        if last:
+            total = tl.load(base + at, cache_modifier=".cg")
+            if PAIR:
+                total_u = tl.load(base + BLOCK_N * BLOCK_M + at, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLITS):
+                total += tl.load(base + j * TILE + at, cache_modifier=".cg")
+                if PAIR:
+                    total_u += tl.load(base + j * TILE + BLOCK_N * BLOCK_M + at, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)
+    return last, total, total_u
+
+
+@triton.jit
+def _rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, partial_ptr, count_ptr, M, N0, N1, N2,
+                 stride_x, stride_y, stride0: tl.constexpr, stride1: tl.constexpr, stride2: tl.constexpr,
+                 K: tl.constexpr, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, K_SPLIT: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, OVERLAP: tl.constexpr):
+    """y [M, N0 + N1 + N2] = [x·W0ᵀ, x·W1ᵀ, x·W2ᵀ] (+ biases) for a few rows x [M, K]: tiles of BLOCK_N weight
+    rows laid out as `_gemv_kernel`'s programs (W0's, then W1's, then W2's), each tile's K_SPLIT-column
+    slices in SPLITS programs (`_sum_splits`), each program all M input rows."""
+    _start(OVERLAP)
+    tile, split = _tile_and_split(SPLITS)
+    local = tl.arange(0, BLOCK_N)
+    rows, b_ptr, n, out_at = tile * BLOCK_N + local, b0_ptr, N0, split * 0
+    w_rows = w0_ptr + rows.to(tl.int64)[:, None] * stride0
+    if SEGMENTS >= 2:
+        tiles0 = tl.cdiv(N0, BLOCK_N)
+        if tile >= tiles0:
+            rows, b_ptr, n, out_at = (tile - tiles0) * BLOCK_N + local, b1_ptr, N1, out_at + N0
+            w_rows = w1_ptr + rows.to(tl.int64)[:, None] * stride1
+            if SEGMENTS == 3:
+                tiles1 = tl.cdiv(N1, BLOCK_N)
+                if tile >= tiles0 + tiles1:
+                    rows, b_ptr, n, out_at = (tile - tiles0 - tiles1) * BLOCK_N + local, b2_ptr, N2, out_at + N1
+                    w_rows = w2_ptr + rows.to(tl.int64)[:, None] * stride2
+    row_ok = rows < n
+    k_begin = split * K_SPLIT
+    y, _ = _row_tile_products(x_ptr, M, stride_x, w_rows, w_rows, row_ok, k_begin, tl.minimum(k_begin + K_SPLIT, K),
+                              K, BLOCK_M, BLOCK_K, False, DOT_DTYPE, OVERLAP)
+    last, y, _ = _sum_splits(y, y, partial_ptr, count_ptr, tile, split, SPLITS, False)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    m = tl.arange(0, BLOCK_M)
+    dtype = y_ptr.dtype.element_ty
+    dst = y_ptr + m[None, :].to(tl.int64) * stride_y + (out_at + rows)[:, None]
+    if last:
+        tl.store(dst, _round_to(y, dtype).to(dtype), mask=row_ok[:, None] & (m < M)[None, :])
+
+
+@triton.jit
+def _rows_silu_mul_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, partial_ptr, count_ptr, M, N, stride_x, stride_y,
+                          stride_g: tl.constexpr, stride_u: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, K_SPLIT: tl.constexpr,
+                          DOT_DTYPE: tl.constexpr, OVERLAP: tl.constexpr):
+    """y [M, N] = silu(x·Wgᵀ) * (x·Wuᵀ) for a few rows x [M, K], rounded as `_gemv_silu_mul_kernel` rounds;
+    tiles and splits as in `_rows_kernel`."""
+    _start(OVERLAP)
+    tile, split = _tile_and_split(SPLITS)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    dtype = y_ptr.dtype.element_ty
+    g_rows = wg_ptr + rows.to(tl.int64)[:, None] * stride_g
+    u_rows = wu_ptr + rows.to(tl.int64)[:, None] * stride_u
+    k_begin = split * K_SPLIT
+    gate, up = _row_tile_products(x_ptr, M, stride_x, g_rows, u_rows, row_ok, k_begin,
+                                  tl.minimum(k_begin + K_SPLIT, K), K, BLOCK_M, BLOCK_K, True, DOT_DTYPE, OVERLAP)
+    last, gate, up = _sum_splits(gate, up, partial_ptr, count_ptr, tile, split, SPLITS, True)
+    gate, up = _round_to(gate, dtype), _round_to(up, dtype)
+    activated = _round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    m = tl.arange(0, BLOCK_M)
+    dst = y_ptr + m[None, :].to(tl.int64) * stride_y + rows[:, None]
+    if last:
+        tl.store(dst, _round_to(activated * up, dtype).to(dtype), mask=row_ok[:, None] & (m < M)[None, :])
+
+
 def _columns(k: int) -> int:
     return min(triton.next_power_of_2(k), CHUNK)
 
 
+@dataclass(frozen=True)
+class RowTile:
+    """Launch shape of the few-rows kernels: BLOCK_N weight rows per tile, the M input rows padded to BLOCK_M,
+    BLOCK_K columns per dot, and each tile's columns split over enough programs for about `waves` programs per
+    multiprocessor (split-K, `_sum_splits`)."""
+    block_n: int = 64
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 4
+    waves: float = 1.0
+
+    def block_m(self, m: int) -> int:
+        return max(16, triton.next_power_of_2(m))
+
+    def splits(self, tiles: int, k: int, sms: int) -> tuple[int, int]:
+        """(programs per tile, columns per program, a multiple of block_k)."""
+        steps = triton.cdiv(k, self.block_k)
+        wanted = min(steps, max(1, int(self.waves * sms // tiles)))
+        k_split = triton.cdiv(steps, wanted) * self.block_k
+        return triton.cdiv(k, k_split), k_split
+
+
+ROW_TILE = RowTile()
+_SPLIT_COUNTS: dict[tuple, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """The per-tile arrival counts of split-K launches on the current stream of `device`: zeros, which each
+    launch's last programs set back to zero (so one buffer serves every launch and CUDA-graph replay)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counts = _SPLIT_COUNTS.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _SPLIT_COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
+def _split_plan(x: torch.Tensor, tiles: int, k: int, m: int, tile: RowTile, pair: bool):
+    """(splits, columns per split, partial-sum workspace, counts) of a few-rows launch."""
+    from .ops import _multiprocessor_count
+
+    splits, k_split = tile.splits(tiles, k, _multiprocessor_count(x.device))
+    if splits == 1:
+        return 1, k_split, x, x
+    partial = torch.empty(tiles * splits * tile.block_n * tile.block_m(m) * (2 if pair else 1), dtype=torch.float32,
+                          device=x.device)
+    return splits, k_split, partial, _split_counts(x.device, tiles)
+
+
+def _dot_dtype(x: torch.Tensor):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype] if x.device.type == "cuda" else tl.float32
+
+
+def _rows(x: torch.Tensor) -> int:
+    return 1 if x.dim() == 1 else x.shape[0]
+
+
 def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
                 biases: list[torch.Tensor | None] | torch.Tensor | None, out: torch.Tensor,
-                overlap: bool = False) -> None:
-    """out [ΣN] = [W·x (+ b) for each W] for one to three weights [N_i, K] with unit stride along K;
-    biases: one entry per weight, all tensors or all None. A single weight and bias may be passed bare.
+                overlap: bool = False, tile: RowTile = ROW_TILE) -> None:
+    """out = [x·Wᵀ (+ b) for each W], side by side, for one to three weights [N_i, K] with unit stride along K:
+    x [K] and out [ΣN] (one row: the matrix-vector kernel), or x [M, K] and out [M, ΣN] with unit strides along
+    K and N (M ≤ MAX_ROWS: the few-rows kernel, `tile`). biases: one entry per weight, all tensors or all None.
+    A single weight and bias may be passed bare.
     overlap: launch early and wait for the kernel before (programmatic dependent launch)."""
     if isinstance(weights, torch.Tensor):
         weights, biases = [weights], [biases]
@@ -133,21 +355,48 @@ def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
     k = weights[0].shape[1]
     if any(w.shape[1] != k for w in weights):
         raise ValueError("launch_gemv: the weights must share K.")
+    m = _rows(x)
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"launch_gemv takes 1 to {MAX_ROWS} input rows, not {m}.")
     spare = MAX_SEGMENTS - len(weights)
     padded = list(weights) + [weights[0]] * spare
     bias_args = (list(biases) if has_bias else [x] * len(weights)) + [x] * spare
-    programs = sum(triton.cdiv(w.shape[0], BLOCK_N) for w in weights)
     strides = dict(zip(("stride0", "stride1", "stride2"), (w.stride(0) for w in padded)))
-    _gemv_kernel[(programs,)](x, *padded, *bias_args, out, *(w.shape[0] for w in padded), **strides,
-                              K=k, KB=_columns(k), SEGMENTS=len(weights),
-                              HAS_BIAS=has_bias, BLOCK_N=BLOCK_N, OVERLAP=overlap, num_warps=4, num_stages=1,
-                              **programmatic(overlap))
+    sizes = [w.shape[0] for w in padded]
+    if x.dim() == 1:
+        programs = sum(triton.cdiv(w.shape[0], BLOCK_N) for w in weights)
+        _gemv_kernel[(programs,)](x, *padded, *bias_args, out, *sizes, **strides,
+                                  K=k, KB=_columns(k), SEGMENTS=len(weights),
+                                  HAS_BIAS=has_bias, BLOCK_N=BLOCK_N, OVERLAP=overlap, num_warps=4, num_stages=1,
+                                  **programmatic(overlap))
+        return
+    tiles = sum(triton.cdiv(w.shape[0], tile.block_n) for w in weights)
+    splits, k_split, partial, counts = _split_plan(x, tiles, k, m, tile, pair=False)
+    _rows_kernel[(tiles * splits,)](x, *padded, *bias_args, out, partial, counts, m, *sizes, x.stride(0),
+                                    out.stride(0), **strides, K=k, SEGMENTS=len(weights), HAS_BIAS=has_bias,
+                                    BLOCK_N=tile.block_n, BLOCK_M=tile.block_m(m), BLOCK_K=tile.block_k, SPLITS=splits,
+                                    K_SPLIT=k_split, DOT_DTYPE=_dot_dtype(x), OVERLAP=overlap, num_warps=tile.warps,
+                                    num_stages=tile.stages, **programmatic(overlap))
 
 
 def launch_gemv_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor,
-                         overlap: bool = False) -> None:
-    """out [N] = silu(gate·x) * (up·x) for gate, up [N, K] with unit stride along K."""
+                         overlap: bool = False, tile: RowTile = ROW_TILE) -> None:
+    """out = silu(x·gateᵀ) * (x·upᵀ) for gate, up [N, K] with unit stride along K: x [K] and out [N], or
+    x [M, K] and out [M, N] (M ≤ MAX_ROWS)."""
     n, k = gate.shape
-    _gemv_silu_mul_kernel[(triton.cdiv(n, BLOCK_N),)](x, gate, up, out, n, stride_g=gate.stride(0),
-                                                      stride_u=up.stride(0), K=k, KB=_columns(k), BLOCK_N=BLOCK_N, OVERLAP=overlap,
-                                                      num_warps=4, num_stages=1, **programmatic(overlap))
+    m = _rows(x)
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"launch_gemv_silu_mul takes 1 to {MAX_ROWS} input rows, not {m}.")
+    if x.dim() == 1:
+        _gemv_silu_mul_kernel[(triton.cdiv(n, BLOCK_N),)](x, gate, up, out, n, stride_g=gate.stride(0),
+                                                          stride_u=up.stride(0), K=k, KB=_columns(k), BLOCK_N=BLOCK_N,
+                                                          OVERLAP=overlap, num_warps=4, num_stages=1,
+                                                          **programmatic(overlap))
+        return
+    tiles = triton.cdiv(n, tile.block_n)
+    splits, k_split, partial, counts = _split_plan(x, tiles, k, m, tile, pair=True)
+    _rows_silu_mul_kernel[(tiles * splits,)](
+        x, gate, up, out, partial, counts, m, n, x.stride(0), out.stride(0), stride_g=gate.stride(0),
+        stride_u=up.stride(0), K=k, BLOCK_N=tile.block_n, BLOCK_M=tile.block_m(m), BLOCK_K=tile.block_k,
+        SPLITS=splits, K_SPLIT=k_split, DOT_DTYPE=_dot_dtype(x), OVERLAP=overlap, num_warps=tile.warps,
+        num_stages=tile.stages, **programmatic(overlap))
