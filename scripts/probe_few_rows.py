@@ -10,6 +10,8 @@ A TILE is block_n/block_k/warps/stages/waves (`RowTile`), e.g. 64/128/4/4/1 (the
 products are q/k/v in one launch, o, gate/up with silu·up in one launch, and down; cuBLAS runs the model's
 way (q, k, v apart; silu and the product in PyTorch). Results: docs/data/few-rows-linear-h200.txt.
 """
+from __future__ import annotations
+
 import itertools
 import sys
 
@@ -18,108 +20,126 @@ import torch.nn.functional as F
 
 from oscarkv.kernels.triton_gemv import RowTile, launch_gemv, launch_gemv_silu_mul
 
-torch.manual_seed(0)
-dev = "cuda"
-H, I, Q, KV, L = 2560, 9728, 4096, 1024, 36
-dt = torch.bfloat16
-layers = [dict(q=torch.randn(Q, H, device=dev, dtype=dt) * 0.02, k=torch.randn(KV, H, device=dev, dtype=dt) * 0.02,
-               v=torch.randn(KV, H, device=dev, dtype=dt) * 0.02, o=torch.randn(H, Q, device=dev, dtype=dt) * 0.02,
-               g=torch.randn(I, H, device=dev, dtype=dt) * 0.02, u=torch.randn(I, H, device=dev, dtype=dt) * 0.02,
-               d=torch.randn(H, I, device=dev, dtype=dt) * 0.02) for _ in range(L)]
-wbytes = sum(w.numel() * 2 for w in layers[0].values()) * L
+DEVICE, DTYPE = "cuda", torch.bfloat16
+HIDDEN, INTER, Q, KV, LAYERS = 2560, 9728, 4096, 1024, 36
+SHAPES = dict(q=(Q, HIDDEN), k=(KV, HIDDEN), v=(KV, HIDDEN), o=(HIDDEN, Q), g=(INTER, HIDDEN), u=(INTER, HIDDEN),
+              d=(HIDDEN, INTER))
 
-def copy_bw():
-    a = torch.empty(2 << 30, dtype=torch.uint8, device=dev); b = torch.empty_like(a)
-    for _ in range(3): b.copy_(a)
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True); torch.cuda.synchronize(); s.record()
-    for _ in range(10): b.copy_(a)
-    e.record(); e.synchronize(); return 2 * a.numel() * 10 / (s.elapsed_time(e) * 1e-3) / 1e9
 
-def chain_cublas(x):
+def randn(*shape):
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy, bytes read and written."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """µs per replay of a CUDA graph of fn()."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def chain_cublas(layers, x):
     for w in layers:
         q, _, _ = F.linear(x, w["q"]), F.linear(x, w["k"]), F.linear(x, w["v"])
         a = F.linear(q, w["o"])
-        h = F.silu(F.linear(a, w["g"])) * F.linear(a, w["u"])
-        x = F.linear(h, w["d"])
-    return x
+        x = F.linear(F.silu(F.linear(a, w["g"])) * F.linear(a, w["u"]), w["d"])
 
-def make_triton(tile):
-    def chain(x):
-        m = x.shape[0]
-        for w in layers:
-            qkv = torch.empty(m, Q + 2 * KV, device=dev, dtype=dt)
-            launch_gemv(x, [w["q"], w["k"], w["v"]], [None] * 3, qkv, overlap=True, tile=tile)
-            a = torch.empty(m, H, device=dev, dtype=dt)
-            launch_gemv(qkv[:, :Q], w["o"], None, a, overlap=True, tile=tile)
-            h = torch.empty(m, I, device=dev, dtype=dt)
-            launch_gemv_silu_mul(a, w["g"], w["u"], h, overlap=True, tile=tile)
-            x = torch.empty(m, H, device=dev, dtype=dt)
-            launch_gemv(h, w["d"], None, x, overlap=True, tile=tile)
-        return x
-    return chain
 
-def time_graph(fn, x, reps=20):
-    fn(x); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(x)
-    for _ in range(3): g.replay()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True); torch.cuda.synchronize(); s.record()
-    for _ in range(reps): g.replay()
-    e.record(); e.synchronize(); return s.elapsed_time(e) * 1e3 / reps
+def chain_triton(layers, x, tile: RowTile):
+    m = x.shape[0]
+    for w in layers:
+        qkv = x.new_empty(m, Q + 2 * KV)
+        launch_gemv(x, [w["q"], w["k"], w["v"]], [None] * 3, qkv, overlap=True, tile=tile)
+        a = x.new_empty(m, HIDDEN)
+        launch_gemv(qkv[:, :Q], w["o"], None, a, overlap=True, tile=tile)
+        h = x.new_empty(m, INTER)
+        launch_gemv_silu_mul(a, w["g"], w["u"], h, overlap=True, tile=tile)
+        x = x.new_empty(m, HIDDEN)
+        launch_gemv(h, w["d"], None, x, overlap=True, tile=tile)
 
-bw = copy_bw()
-print(f"{torch.cuda.get_device_name()} copy {bw:.0f} GB/s; weights {wbytes/1e9:.2f} GB: ideal {wbytes/bw/1e3:.0f} us per chain", flush=True)
-def products(tile, m):
-    x = torch.randn(m, H, device=dev, dtype=dt); xq = torch.randn(m, Q, device=dev, dtype=dt); xi = torch.randn(m, I, device=dev, dtype=dt)
-    outs = dict(qkv=torch.empty(m, Q + 2 * KV, device=dev, dtype=dt), o=torch.empty(m, H, device=dev, dtype=dt),
-                h=torch.empty(m, I, device=dev, dtype=dt))
-    def t_qkv(_):
-        for w in layers: launch_gemv(x, [w["q"], w["k"], w["v"]], [None] * 3, outs["qkv"], overlap=True, tile=tile)
-    def t_o(_):
-        for w in layers: launch_gemv(xq, w["o"], None, outs["o"], overlap=True, tile=tile)
-    def t_gu(_):
-        for w in layers: launch_gemv_silu_mul(x, w["g"], w["u"], outs["h"], overlap=True, tile=tile)
-    def t_d(_):
-        for w in layers: launch_gemv(xi, w["d"], None, outs["o"], overlap=True, tile=tile)
-    def c_qkv(_):
-        for w in layers: F.linear(x, w["q"]); F.linear(x, w["k"]); F.linear(x, w["v"])
-    def c_o(_):
-        for w in layers: F.linear(xq, w["o"])
-    def c_gu(_):
-        for w in layers: F.silu(F.linear(x, w["g"])) * F.linear(x, w["u"])
-    def c_d(_):
-        for w in layers: F.linear(xi, w["d"])
-    nbytes = dict(qkv=(Q + 2 * KV) * H * 2, o=H * Q * 2, gu=2 * I * H * 2, d=H * I * 2)
+
+def sweep(layers, ms, bandwidth, weight_bytes):
+    for m in ms:
+        x = randn(m, HIDDEN)
+        t = graph_us(lambda: chain_cublas(layers, x))
+        print(f"M={m} cublas {t:.0f} us {weight_bytes / t / 1e3 / bandwidth * 100:.1f}%", flush=True)
+        for bn, bk, st, wv in itertools.product((64, 128), (64, 128), (4,), (1.0, 2.0, 4.0)):
+            tile = RowTile(bn, bk, 4, st, wv)
+            try:
+                t = graph_us(lambda: chain_triton(layers, x, tile))
+                print(f"M={m} {tile} {t:.0f} us {weight_bytes / t / 1e3 / bandwidth * 100:.1f}%", flush=True)
+            except Exception as exc:  # a tile over the shared memory
+                print(f"M={m} {tile} failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+
+
+def products(layers, tile: RowTile, m: int, bandwidth: float):
+    """µs per layer of each product, cuBLAS -> Triton."""
+    x, xq, xi = randn(m, HIDDEN), randn(m, Q), randn(m, INTER)
+    qkv, out, hidden = x.new_empty(m, Q + 2 * KV), x.new_empty(m, HIDDEN), x.new_empty(m, INTER)
+    cases = {
+        "qkv": (lambda w: launch_gemv(x, [w["q"], w["k"], w["v"]], [None] * 3, qkv, overlap=True, tile=tile),
+                lambda w: (F.linear(x, w["q"]), F.linear(x, w["k"]), F.linear(x, w["v"])), Q + 2 * KV, HIDDEN),
+        "o": (lambda w: launch_gemv(xq, w["o"], None, out, overlap=True, tile=tile),
+              lambda w: F.linear(xq, w["o"]), HIDDEN, Q),
+        "gu": (lambda w: launch_gemv_silu_mul(x, w["g"], w["u"], hidden, overlap=True, tile=tile),
+               lambda w: F.silu(F.linear(x, w["g"])) * F.linear(x, w["u"]), 2 * INTER, HIDDEN),
+        "d": (lambda w: launch_gemv(xi, w["d"], None, out, overlap=True, tile=tile),
+              lambda w: F.linear(xi, w["d"]), HIDDEN, INTER),
+    }
     row = [f"M={m} {tile}:"]
-    for name, tf, cf in (("qkv", t_qkv, c_qkv), ("o", t_o, c_o), ("gu", t_gu, c_gu), ("d", t_d, c_d)):
-        tt, tc = time_graph(tf, None) / L, time_graph(cf, None) / L
-        row.append(f"{name} {tc:.1f}->{tt:.1f}us ({nbytes[name]/tt/1e3/bw*100:.0f}%)")
+    for name, (triton_step, cublas_step, n, k) in cases.items():
+        ours = graph_us(lambda: [triton_step(w) for w in layers]) / LAYERS
+        theirs = graph_us(lambda: [cublas_step(w) for w in layers]) / LAYERS
+        row.append(f"{name} {theirs:.1f}->{ours:.1f}us ({n * k * 2 / ours / 1e3 / bandwidth * 100:.0f}%)")
     print("  ".join(row), flush=True)
+
 
 def parse_tile(spec: str) -> RowTile:
     f = spec.split("/")
     return RowTile(int(f[0]), int(f[1]), int(f[2]), int(f[3]), float(f[4]))
 
 
-def sweep(ms):
-    for m in ms:
-        x = torch.randn(m, H, device=dev, dtype=dt)
-        t = time_graph(chain_cublas, x)
-        print(f"M={m} cublas {t:.0f} us {wbytes/t/1e3/bw*100:.1f}%", flush=True)
-        for bn, bk, st, wv in itertools.product((64, 128), (64, 128), (4,), (1.0, 2.0, 4.0)):
-            tile = RowTile(bn, bk, 4, st, wv)
-            try:
-                t = time_graph(make_triton(tile), x)
-                print(f"M={m} {tile} {t:.0f} us {wbytes/t/1e3/bw*100:.1f}%", flush=True)
-            except Exception as exc:  # a tile over the shared memory
-                print(f"M={m} {tile} failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+def main(argv: list[str]) -> None:
+    torch.manual_seed(0)
+    layers = [{name: randn(*shape) * 0.02 for name, shape in SHAPES.items()} for _ in range(LAYERS)]
+    weight_bytes = sum(n * k * 2 for n, k in SHAPES.values()) * LAYERS
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()} copy {bandwidth:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB: "
+          f"ideal {weight_bytes / bandwidth / 1e3:.0f} us per chain", flush=True)
+    if argv and argv[0] == "products":
+        for m in [int(v) for v in argv[2].split(",")]:
+            for spec in argv[1].split(","):
+                products(layers, parse_tile(spec), m, bandwidth)
+    else:
+        sweep(layers, [int(v) for v in argv[1].split(",")] if len(argv) > 1 else [16, 32], bandwidth, weight_bytes)
 
 
-mode = sys.argv[1] if len(sys.argv) > 1 else "sweep"
-if mode == "products":
-    for m in [int(v) for v in sys.argv[3].split(",")]:
-        for spec in sys.argv[2].split(","):
-            products(parse_tile(spec), m)
-else:
-    sweep([int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [16, 32])
+if __name__ == "__main__":
+    main(sys.argv[1:])

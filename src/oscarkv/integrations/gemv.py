@@ -57,8 +57,8 @@ def _gemv_shape(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 def input_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] as the kernels take it: [K] for one row, else [M, K], contiguous."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    """x [..., K] (K > 0) as the kernels take it: [K] for one row, else [M, K], contiguous."""
+    rows = x.numel() // x.shape[-1]
     return x.reshape(-1).contiguous() if rows == 1 else x.reshape(rows, x.shape[-1]).contiguous()
 
 
@@ -151,8 +151,9 @@ def attention_projections(module: nn.Module) -> list[nn.Linear] | None:
 
 @contextmanager
 def gemv_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Run the model's decode-step linear products (1 to MAX_ROWS rows) through the Triton kernels inside the block (see the
-    module doc). Enter it inside `compiled_small_ops`, so that other rows keep the compiled MLPs."""
+    """Run the model's linear products of 1 to MAX_ROWS rows (a decode step's batch) through the Triton kernels
+    inside the block (see the module doc). Enter it inside `compiled_small_ops`, so that other inputs keep the
+    compiled MLPs."""
     groups: list[SharedInputProjections] = []
     try:
         with forward_swaps() as swap:
