@@ -81,6 +81,29 @@ def _products(x_ptr, w_rows, row_ok, w_first, K: tl.constexpr, KB: tl.constexpr,
 
 
 @triton.jit
+def _segment_rows(block, zero, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, stride0: tl.constexpr,
+                  stride1: tl.constexpr, stride2: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block `block` of BLOCK_N rows of the stacked weights [W0; W1; W2] (SEGMENTS of them): the first
+    cdiv(N0, BLOCK_N) blocks are W0's rows, the next W1's, the last W2's. Returns (the rows within their weight,
+    their [BLOCK_N, 1] pointers, the weight's bias pointer and N, where its outputs start). zero: 0 as an integer
+    of the program's."""
+    local = tl.arange(0, BLOCK_N)
+    rows, b_ptr, n, out_at = block * BLOCK_N + local, b0_ptr, N0, zero
+    w_rows = w0_ptr + rows.to(tl.int64)[:, None] * stride0
+    if SEGMENTS >= 2:
+        blocks0 = tl.cdiv(N0, BLOCK_N)
+        if block >= blocks0:
+            rows, b_ptr, n, out_at = (block - blocks0) * BLOCK_N + local, b1_ptr, N1, out_at + N0
+            w_rows = w1_ptr + rows.to(tl.int64)[:, None] * stride1
+            if SEGMENTS == 3:
+                blocks1 = tl.cdiv(N1, BLOCK_N)
+                if block >= blocks0 + blocks1:
+                    rows, b_ptr, n, out_at = (block - blocks0 - blocks1) * BLOCK_N + local, b2_ptr, N2, out_at + N1
+                    w_rows = w2_ptr + rows.to(tl.int64)[:, None] * stride2
+    return rows, w_rows, b_ptr, n, out_at
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, N0, N1, N2,
                  stride0: tl.constexpr, stride1: tl.constexpr, stride2: tl.constexpr, K: tl.constexpr,
                  KB: tl.constexpr, SEGMENTS: tl.constexpr,
@@ -89,19 +112,8 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, N
     next W1's, the last W2's (SEGMENTS of them)."""
     _start(OVERLAP)
     pid = tl.program_id(0)
-    local = tl.arange(0, BLOCK_N)
-    rows, b_ptr, n, out_at = pid * BLOCK_N + local, b0_ptr, N0, pid * 0
-    w_rows = w0_ptr + rows.to(tl.int64)[:, None] * stride0
-    if SEGMENTS >= 2:
-        programs0 = tl.cdiv(N0, BLOCK_N)
-        if pid >= programs0:
-            rows, b_ptr, n, out_at = (pid - programs0) * BLOCK_N + local, b1_ptr, N1, out_at + N0
-            w_rows = w1_ptr + rows.to(tl.int64)[:, None] * stride1
-            if SEGMENTS == 3:
-                programs1 = tl.cdiv(N1, BLOCK_N)
-                if pid >= programs0 + programs1:
-                    rows, b_ptr, n, out_at = (pid - programs0 - programs1) * BLOCK_N + local, b2_ptr, N2, out_at + N1
-                    w_rows = w2_ptr + rows.to(tl.int64)[:, None] * stride2
+    rows, w_rows, b_ptr, n, out_at = _segment_rows(pid, pid * 0, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, N0, N1,
+                                                   N2, stride0, stride1, stride2, SEGMENTS, BLOCK_N)
     row_ok = rows < n
     cols = tl.arange(0, KB)
     w_first = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
@@ -223,19 +235,8 @@ def _rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, p
     slices in SPLITS programs (`_sum_splits`), each program all M input rows."""
     _start(OVERLAP)
     tile, split = _tile_and_split(SPLITS)
-    local = tl.arange(0, BLOCK_N)
-    rows, b_ptr, n, out_at = tile * BLOCK_N + local, b0_ptr, N0, split * 0
-    w_rows = w0_ptr + rows.to(tl.int64)[:, None] * stride0
-    if SEGMENTS >= 2:
-        tiles0 = tl.cdiv(N0, BLOCK_N)
-        if tile >= tiles0:
-            rows, b_ptr, n, out_at = (tile - tiles0) * BLOCK_N + local, b1_ptr, N1, out_at + N0
-            w_rows = w1_ptr + rows.to(tl.int64)[:, None] * stride1
-            if SEGMENTS == 3:
-                tiles1 = tl.cdiv(N1, BLOCK_N)
-                if tile >= tiles0 + tiles1:
-                    rows, b_ptr, n, out_at = (tile - tiles0 - tiles1) * BLOCK_N + local, b2_ptr, N2, out_at + N1
-                    w_rows = w2_ptr + rows.to(tl.int64)[:, None] * stride2
+    rows, w_rows, b_ptr, n, out_at = _segment_rows(tile, split * 0, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, N0,
+                                                   N1, N2, stride0, stride1, stride2, SEGMENTS, BLOCK_N)
     row_ok = rows < n
     k_begin = split * K_SPLIT
     y, _ = _row_tile_products(x_ptr, M, stride_x, w_rows, w_rows, row_ok, k_begin, tl.minimum(k_begin + K_SPLIT, K),
