@@ -47,16 +47,17 @@ def test_decode_batches_take_the_kernels():
     assert not takes_gemv(linear.float(), torch.randn(1, 64, device=DEVICE))
 
 
-# Tiles small enough for the CPU interpreter; SPLIT_TILE splits K over several programs per tile (split-K)
-# wherever there are few tiles (4 multiprocessors off CUDA, so 8 waves ask for up to 32 programs).
-SMALL_TILE = dict(block_n=16, block_k=32, warps=4, stages=2, waves=0.5)
+# Tiles small enough for the CPU interpreter (4 multiprocessors off CUDA). SMALL_TILE asks for a quarter of a program
+# per multiprocessor: one split per tile; SPLIT_TILE asks for 8, so K is split over several programs per tile (split-K)
+# wherever there are few tiles.
+SMALL_TILE = dict(block_n=16, block_k=32, warps=4, stages=2, waves=0.25)
 SPLIT_TILE = dict(block_n=16, block_k=32, warps=4, stages=2, waves=8.0)
 
 
 def _tile(name: str):
-    from oscarkv.kernels.triton_gemv import ROW_TILE, RowTile
+    from oscarkv.kernels.triton_gemv import RowTile
 
-    return ROW_TILE if name == "default" else RowTile(**(SMALL_TILE if name == "small" else SPLIT_TILE))
+    return RowTile(**{"small": SMALL_TILE, "split": SPLIT_TILE}[name])
 
 
 @pytest.mark.parametrize("m,n,k", [(2, 7, 40), (5, 33, 300), (32, 20, 130), (3, 70, 1000)])
