@@ -3,6 +3,7 @@ without a GPU (the measurements themselves need a CUDA GPU; docs/decode.md has t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,23 @@ def test_tables_and_plot_from_saved_results(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "equal KV memory" in out and "INT2/BF16 tok/s" in out and "bits per K/V element" in out
     assert (tmp_path / "decode.png").stat().st_size > 10_000
+    assert out.count("both caches' steps: small operations compiled, linear layers by oscarkv's Triton kernels") == 2
+
+
+def test_tables_say_which_linear_layers_and_small_operations_the_steps_ran():
+    from oscarkv.report import decode_tables
+
+    ours = str(DATA / "bench-decode-qwen3-4b-h200-few-rows.json")
+    theirs = str(DATA / "bench-decode-qwen3-4b-h200-few-rows-cublas.json")
+    eager = str(DATA / "bench-decode-qwen3-4b-eager-small-ops.json")
+    tables = {name: decode_tables(json.loads(Path(path).read_text())) for name, path in
+              (("ours", ours), ("theirs", theirs), ("eager", eager))}
+    assert "linear layers by oscarkv's Triton kernels" in tables["ours"]
+    assert "linear layers by cuBLAS (--cublas)" in tables["theirs"]
+    assert "small operations eager (--eager-small-ops)" in tables["eager"] and "linear layers" not in tables["eager"]
+    untold = json.loads(Path(ours).read_text())
+    del untold["settings"]
+    assert "both caches' steps" not in decode_tables(untold)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")

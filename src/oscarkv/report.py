@@ -89,6 +89,18 @@ def plot_pass_rate(rows: list[dict], path: str | Path, title: str) -> Path:
     return _save(fig, path)
 
 
+def _decode_path(settings: dict) -> str:
+    """How the timed steps ran their small operations and linear layers (`bench decode`'s settings), as far as
+    the saved settings say."""
+    said = []
+    small_ops, gemv = settings.get("compile_small_ops"), settings.get("decode_gemv")
+    if small_ops is not None:
+        said.append("small operations " + ("compiled" if small_ops else "eager (--eager-small-ops)"))
+    if gemv is not None:
+        said.append("linear layers by " + ("oscarkv's Triton kernels" if gemv else "cuBLAS (--cublas)"))
+    return ", ".join(said)
+
+
 def decode_tables(result: dict) -> str:
     """The `bench decode` results of one model as plain-text tables, BF16 and INT2 side by side."""
     def rows(entries: list[dict]) -> list[dict]:
@@ -112,6 +124,9 @@ def decode_tables(result: dict) -> str:
     columns.append(("ratio", "INT2/BF16 tok/s", ".2f"))
     parts = [f"{result['model']} on {result['device']}: copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s, "
              f"weights read per step {result['weight_bytes'] / 1e9:.2f} GB"]
+    path = _decode_path(result.get("settings") or {})
+    if path:
+        parts.append(f"both caches' steps: {path}")
     for key, title in (("single", "batch 1"), ("equal_memory", "equal KV memory (the INT2 cache of the INT2 batch)"),
                        ("largest", "the largest batch that fits")):
         if result.get(key):
