@@ -70,6 +70,22 @@ def test_tables_say_which_linear_layers_and_small_operations_the_steps_ran():
     assert "both caches' steps" not in decode_tables(untold)
 
 
+def test_output_its_reader_stops_reading_ends_quietly():
+    """`oscarkv bench decode --from-json ... | head`: once the reader has gone, the command stops without a
+    traceback (its JSON here is 150 KB, more than a pipe holds, so the writes do meet the closed pipe)."""
+    import subprocess
+    import sys
+
+    saved = sorted(str(p) for p in DATA.glob("bench-decode-*.json"))
+    command = [sys.executable, "-m", "oscarkv.cli", "bench", "decode", "--from-json", *saved, "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(100)
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_bench_decode_without_gpu_says_so():
     with pytest.raises(OscarError, match="CUDA GPU"):

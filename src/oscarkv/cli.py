@@ -838,6 +838,19 @@ def check_counts(args) -> None:
             raise OscarError(f"--{name.replace('_', '-')} {value}: must be {limit}.")
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end has closed (poll reports an error on it); True where this cannot
+    be asked (no poll, no file descriptor)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -847,6 +860,13 @@ def main(argv: list[str] | None = None) -> int:
     except OscarError as exc:
         print(f"oscarkv: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a pipe of something else: not ours to hide
+        # the reader of our output left (`oscarkv ... | head`): stop quietly, as command-line tools do, with
+        # stdout pointed at /dev/null so that the interpreter's own flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
