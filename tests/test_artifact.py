@@ -217,6 +217,10 @@ def test_arguments_that_depend_on_the_model_are_checked_before_its_weights_load(
          f"the text [{str(empty)!r}] is empty; pass a file with prose in it."),
         (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--text", missing],
          f"text {missing!r} is neither a file nor a built-in text; use a path or one of wiki, news."),
+        (["eval", "niah", "smollm2-135m", "--methods", "bf16", "--text", str(empty)],
+         f"the text [{str(empty)!r}] is empty; pass a file with prose in it."),
+        (["bench", "serve", "--url", "http://127.0.0.1:9", "--text", str(empty)],
+         f"the text [{str(empty)!r}] is empty; pass a file with prose in it."),
         (["eval", "ppl", "smollm2-135m", "--methods", "bf16", "--context", "16"],
          "context 16 leaves no position whose history reaches the INT2 region (sink 64 + recent 256); use a longer "
          "--context."),

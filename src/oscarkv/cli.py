@@ -282,7 +282,6 @@ def cmd_eval_niah(args) -> int:
     if not depths or not lengths:
         raise OscarError(f"{'--depths' if not depths else '--lengths'} is empty; give at least one value.")
     methods = _methods(args)
-    from .assets import load_text
     from .calibration.artifact import RotationArtifact
     from .config import CacheConfig
     from .evaluation.niah import build_cases, check_lengths, evaluate_niah, summarise
@@ -292,7 +291,7 @@ def cmd_eval_niah(args) -> int:
     config = model_config(args.model)
     check_lengths(config, lengths)
     quant = _checked_quant(config, args, artifact)
-    haystack = load_text(args.text)  # before the model: a missing file is reported first
+    haystack = _read_texts([args.text])  # before the model: a missing or empty file is reported first
     model, tokenizer = load_model(args.model, device=args.device)
     cache = CacheConfig(key_centering=args.key_centering, kernel=args.kernel)
     cases = build_cases(tokenizer, haystack, lengths, depths, args.trials, cache,
@@ -530,20 +529,22 @@ def cmd_serve(args) -> int:
 def cmd_bench_serve(args) -> int:
     import httpx
 
+    # The load test's prose, read first: a missing or empty text is refused before anything is sent.
+    words = None if args.prompt_tokens else _read_texts([args.text]).split()
     try:
         httpx.get(args.url.rstrip("/") + "/health", timeout=10).raise_for_status()
     except httpx.HTTPError as exc:
         raise OscarError(f"no healthy oscarkv server answers at {args.url} ({exc}); start one with "
                          "`oscarkv serve MODEL` and pass its address with --url.")
-    return _bench_serve(args)
+    return _bench_serve(args, words)
 
 
-def _bench_serve(args) -> int:
+def _bench_serve(args, words: list[str] | None) -> int:
+    """The throughput run (--prompt-tokens) or the load test, whose prompts are cut from `words`."""
     import asyncio
 
     from tqdm import tqdm
 
-    from .assets import load_text
     from .serving.loadtest import LoadConfig, format_report, run_load
 
     if args.prompt_tokens:
@@ -561,7 +562,6 @@ def _bench_serve(args) -> int:
         return 0 if result.failed == 0 else 1
     config = LoadConfig(args.url.rstrip("/"), args.clients, args.duration, args.prompt_words, args.max_tokens,
                         args.disconnect_every, args.probe_interval, api_key=_api_key(args))
-    words = load_text(args.text).split()
     with tqdm(desc="completed requests", unit="req", disable=args.json) as progress:
         report = asyncio.run(run_load(config, words, progress))
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
