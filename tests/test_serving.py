@@ -1002,7 +1002,7 @@ def test_short_load_test_over_loopback(served):
 
     from oscarkv.assets import load_text
     from oscarkv.serving.api import create_app
-    from oscarkv.serving.loadtest import LoadConfig, run_load
+    from oscarkv.serving.loadtest import LoadConfig, format_report, run_load
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1025,6 +1025,16 @@ def test_short_load_test_over_loopback(served):
     assert report.ok, report.failures
     assert report.completed >= 6 and report.disconnected_on_purpose >= 1 and report.probes_sent >= 5
     assert report.pages_used_after == 0 and report.slots_used_after == 0
+    assert "max_tokens 6, every 2nd request of each client hangs up on purpose" in format_report(report)
+
+
+def test_the_load_report_says_which_requests_hang_up_in_words():
+    from oscarkv.serving.loadtest import hang_ups
+
+    assert hang_ups(0) == "no request hangs up on purpose"
+    assert hang_ups(1) == "every request hangs up on purpose"
+    assert [hang_ups(n).split()[1] for n in (2, 3, 4, 5, 11, 12, 13, 21, 22, 23, 101, 111)] == [
+        "2nd", "3rd", "4th", "5th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])

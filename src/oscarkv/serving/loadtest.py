@@ -219,11 +219,21 @@ async def run_load(config: LoadConfig, words: list[str], progress=None) -> LoadR
     return report
 
 
+def hang_ups(every: int) -> str:
+    """How `LoadConfig.disconnect_every` reads in the report (0: no client hangs up)."""
+    if every <= 0:
+        return "no request hangs up on purpose"
+    if every == 1:
+        return "every request hangs up on purpose"
+    suffix = "th" if every % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(every % 10, "th")
+    return f"every {every}{suffix} request of each client hangs up on purpose"
+
+
 def format_report(r: LoadReport) -> str:
     c = r.config
     lines = [
         f"{c['clients']} streaming clients for {r.seconds:.0f} s, prompts of {c['prompt_words']} words, "
-        f"max_tokens {c['max_tokens']}, every {c['disconnect_every']}th request hangs up on purpose",
+        f"max_tokens {c['max_tokens']}, {hang_ups(c['disconnect_every'])}",
         f"requests sent {r.sent}, completed {r.completed}, hung up on purpose {r.disconnected_on_purpose}, "
         f"failed {r.failed}",
         f"bad-request probes sent {r.probes_sent}, not answered with a 4xx: {r.probes_failed}",
