@@ -469,6 +469,29 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
         assert windows == {1: 8, 2: 4, 64: 2}[batch], (batch, context, total, windows)
     # a split count given by the caller that leaves no history split: the windows take one
     assert ops.window_split_count(layer, 32, 1, 32, 2, 8192, torch.device("cpu")) == 1
+    # fewer history programs than multiprocessors (8 history splits or more): 16 one-warp window programs
+    few = ops.WindowPlan(ops.FEW_HISTORY_WINDOW_SPLITS, warps=1, block_n=16)
+    for model, batch, context, history in ((layer, 1, 1000, 14), (small, 1, 1000, 14), (small, 1, 2000, 30),
+                                           (small, 2, 1000, 14)):
+        query_heads = 32 if model is layer else 9
+        total = ops.choose_splits(model, batch, 1, query_heads, context, torch.device("cpu"))
+        assert total == history + ops.FEW_HISTORY_WINDOW_SPLITS, (batch, context, total)
+        assert ops.window_plan(model, batch, 1, query_heads, total, context, torch.device("cpu")) == few
+    # as many history programs as multiprocessors or more (Qwen3 1x2K: 8 x 30), or fewer than 8 history splits
+    assert plan(1, splits(1, 2000), 2000) == ops.WindowPlan(4)
+    assert plan(1, splits(1, 500), 500) == ops.WindowPlan(1)
+
+
+def test_history_programs_take_one_warp_from_one_per_multiprocessor(monkeypatch):
+    """Decode history programs take one warp where there are as many as multiprocessors or more (132 on an H100),
+    four below; the launcher counts the history programs, not the window programs beside them. Off CUDA
+    (the interpreter) always one."""
+    import oscarkv.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "_multiprocessor_count", lambda device: 132)
+    gpu = torch.device("cuda", 0)  # nothing runs on it: the rule only reads its type
+    assert [ops.history_warps(n, gpu) for n in (1, 131, 132, 1064)] == [4, 4, 1, 1]
+    assert ops.history_warps(1, torch.device("cpu")) == 1
 
 
 def test_history_registers_capped_where_four_warp_windows_need_room(monkeypatch):
@@ -544,16 +567,18 @@ def test_decode_windows_shared_by_several_splits():
            extend=["dequantize", "auto", "fused", "auto"])
 
 
-@pytest.mark.parametrize("window_splits,window", [(5, 0), (3, 150)])
-def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window):
+@pytest.mark.parametrize("window_splits,window,head_dim", [(5, 0, 128), (3, 150, 128), (16, 0, 64)])
+def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, head_dim):
     """One-warp window programs read 16-key blocks: the 64-token sink's four blocks go round the window
-    splits with the ring's (5 splits: one takes no sink block), the combine merges 32 channels per
-    program; with a sliding window that starts inside the ring; then a short chunk in the fused kernel with the
-    same plan. The prompts go through the dequantizing extend path, which is cheaper in the CPU interpreter."""
+    splits with the ring's (5 splits: one takes no sink block; 16 splits, as few history programs take them:
+    twelve take none), the combine merges 32 channels per program; with a sliding window that starts inside
+    the ring; then a short chunk in the fused kernel with the same plan. The prompts go through the
+    dequantizing extend path, which is cheaper in the CPU interpreter."""
     from oscarkv.kernels.ops import COMBINE_CHANNELS, WindowPlan
 
-    assert COMBINE_CHANNELS == 32  # head_dim 128: four combine programs per row
-    layout = PagedLayout(kv_heads=1, head_dim=128, group_size=128, page_size=16, sink_tokens=64, recent_tokens=128)
+    assert COMBINE_CHANNELS == 32  # head_dim 128: four combine programs per row, 64: two
+    layout = PagedLayout(kv_heads=1, head_dim=head_dim, group_size=head_dim, page_size=16, sink_tokens=64,
+                         recent_tokens=128)
     _drive(layout, 4, [[230, 70, 40], [1, 1, 1], [1, 1, 0], [2, 0, 3]], num_splits=window_splits + 2,
            window_splits=WindowPlan(window_splits, warps=1, block_n=16), window=window,
            extend=["dequantize", "auto", "auto", "fused"])
@@ -796,7 +821,7 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "41 kernel configurations compiled for sm_90" in done.stdout
+    assert "43 kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads,per_head", [(64, 9, 3, False), (64, 9, 3, True),

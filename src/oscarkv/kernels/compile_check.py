@@ -121,8 +121,10 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         # extend steps in 32-row query blocks (`ops.choose_block_m`): unsplit; split, one block (one warp) or more
         jobs += [attention(1, 0, 1, BLOCK_M=32), attention(17, 1, 4, BLOCK_M=32),
                  attention(17, 1, 4, warps=4, BLOCK_M=32)]
-        if d == 128:  # one-warp window programs of 16-key blocks (`ops.window_plan`)
+        if d <= 128:  # one-warp window programs of 16-key blocks (`ops.window_plan`)
             jobs.append(attention(17, 2, 1, warps=1, block_n=16))
+        # few history programs (`ops.history_warps`): four-warp history beside 16 one-warp window programs
+        jobs += [attention(30, 1, 16, warps=4), attention(30, 2, 16, warps=1, block_n=16)]
         if d >= 128:  # decode history with two pages per softmax step (`ops.choose_row_groups`)
             jobs.append(attention(17, 1, 4, ROW_GROUPS=2))
         if register_cap_supported():  # history beside four-warp window programs (`ops.history_registers`)

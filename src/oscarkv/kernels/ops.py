@@ -202,6 +202,10 @@ MID_BATCH_WINDOW_SPLITS = 2  # beyond, up to 2 pairs per multiprocessor (`_windo
 # combine program merges (`launch_attention`'s combine_d_block).
 ONE_WARP_WINDOW_BLOCK: int | None = 16
 COMBINE_CHANNELS = 32
+# Decode history programs per multiprocessor from which they take one warp each (`history_warps`), and the
+# one-warp window programs per (sequence, KV head) where they take four (`_few_history_windows`).
+ONE_WARP_HISTORY_PROGRAMS_PER_MULTIPROCESSOR = 1
+FEW_HISTORY_WINDOW_SPLITS = 16
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,29 @@ def _one_warp_windows(layer: PagedLayer, programs: int, history_splits: int, max
             and lay.head_dim == 128 and -(-pages // max(history_splits, 1)) >= ROW_GROUP_MIN_PAGES)
 
 
+def history_warps(history_programs: int, device: torch.device) -> int:
+    """Warps of each decode history program: one where there are at least as many history programs as
+    multiprocessors (off CUDA always one), else four. H200, one layer, four -> one warp: SmolLM2 shapes (9 query
+    / 3 KV heads, D 64) 1x4K 15.6 -> 10.2 µs, 1x8K 15.3 -> 10.4, 2x2K 18.6 -> 11.5, 8x1K 18.8 -> 12.8; Qwen3
+    shapes 1x2K 17.2 -> 10.5, 1x4K 22.7 -> 11.2, 2x1K 16.8 -> 10.4. With fewer history programs four warps are
+    as fast or faster (SmolLM2 1x1K 8.9 against 9.3 µs, 0.3 programs per multiprocessor; Qwen3 1x1K 10.4
+    against 10.8, 0.85). Until the forty-sixth session the rule counted four programs per multiprocessor,
+    window programs included (docs/data/history-warps-h200.txt)."""
+    if device.type != "cuda":
+        return 1
+    return 1 if history_programs >= ONE_WARP_HISTORY_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessor_count(device) else 4
+
+
+def _few_history_windows(programs: int, history_splits: int, sms: int) -> bool:
+    """Whether a decode step reads its windows with FEW_HISTORY_WINDOW_SPLITS one-warp programs of 16-key blocks:
+    where its history programs take four warps (`history_warps`; 8 or more history splits). H200, one layer,
+    4-8 four-warp window programs of 64-key blocks -> 16 one-warp ones: SmolLM2 shapes 1x1K 8.9 -> 7.0 µs,
+    1x2K 9.7 -> 8.7, 2x1K 11.0 -> 8.4; Qwen3 shapes 1x1K 10.4 -> 8.7 (docs/data/history-warps-h200.txt). Beside
+    one-warp history programs they lose (1x4K SmolLM2 10.2 -> 13.7 µs)."""
+    return (ONE_WARP_WINDOW_BLOCK is not None and history_splits >= 8
+            and programs * history_splits < ONE_WARP_HISTORY_PROGRAMS_PER_MULTIPROCESSOR * sms)
+
+
 def _window_splits(programs: int, history_splits: int, sms: int) -> int:
     """Window splits per (sequence, KV head) of a decode step with `programs` of them:
     - up to SMALL_BATCH_PROGRAMS (batch 1-4 with 8 KV heads) at long context (8 or more history splits):
@@ -287,10 +314,15 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
     down to half the wave (see below). Prefill and extend keep `split_count` over their programs of `block_m`
     query rows (None: `choose_block_m`)."""
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads, block_m)
-    tokens = max_context - layer.layout.sink_tokens
     if m_blocks > 1:
-        return split_count(programs, tokens, device)
-    sms = _multiprocessor_count(device)
+        return split_count(programs, max_context - layer.layout.sink_tokens, device)
+    history, windows = _decode_plan(layer, programs, max_context, _multiprocessor_count(device))
+    return history + windows.splits
+
+
+def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int) -> tuple[int, WindowPlan]:
+    """History splits and window programs per (sequence, KV head) of a decode step (`choose_splits`)."""
+    tokens = max_context - layer.layout.sink_tokens
     history = PROGRAMS_PER_MULTIPROCESSOR * sms // programs  # one resident wave
     if 0 < history and history * programs < 6 * sms:  # that wave would leave a quarter idle: take two
         history = -(-2 * PROGRAMS_PER_MULTIPROCESSOR * sms // programs)
@@ -302,18 +334,25 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
     history = min(history, max(tokens // layer.layout.page_size // MIN_PAGES_PER_SPLIT, history // 2))
     history = max(1, min(history, tokens // 64, MAX_HISTORY_SPLITS))
     if _one_warp_windows(layer, programs, history, max_context, sms):
-        return history + 1
-    return history + _window_splits(programs, history, sms)
+        return history, WindowPlan(1, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
+    if _few_history_windows(programs, history, sms):
+        return history, WindowPlan(FEW_HISTORY_WINDOW_SPLITS, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
+    return history, WindowPlan(_window_splits(programs, history, sms))
 
 
 def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
                 max_context: int, device: torch.device, block_m: int | None = None) -> WindowPlan:
-    """The window programs among `num_splits` (the inverse of `choose_splits`' choice for `max_context`; one
-    four-warp split where `num_splits` leaves no history split beside them)."""
+    """The window programs among `num_splits`: `choose_splits`' plan for `max_context` where `num_splits` is its
+    count, else its rules for that count (one four-warp split where `num_splits` leaves no history split
+    beside them)."""
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads, block_m)
     if m_blocks > 1 or num_splits < 2:
         return WindowPlan(1)
     sms = _multiprocessor_count(device)
+    history, chosen = _decode_plan(layer, programs, max_context, sms)
+    if history + chosen.splits == num_splits:
+        return chosen
+    # a split count chosen elsewhere: one-warp windows or the batch rule, as `choose_splits` would take them
     if _one_warp_windows(layer, programs, num_splits - 1, max_context, sms):
         return WindowPlan(1, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
     windows = _window_splits(programs, num_splits - _small_batch_window_splits(programs), sms)

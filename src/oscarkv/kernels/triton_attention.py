@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .hardware import multiprocessors as _multiprocessors, programmatic_launch_supported, register_cap_supported
+from .hardware import programmatic_launch_supported, register_cap_supported
 from .triton_pdl import gdc_launch_dependents as _gdc_launch_dependents, gdc_wait as _gdc_wait
 from .triton_pdl import programmatic as _programmatic
 from .triton_write import _history_end, _load_quarters, _round_to, _sequence
@@ -1027,8 +1027,8 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
     that the history programs get their own small footprint: num_warps (None: one warp when a
-    program's query rows fit one block and there are at least four programs per multiprocessor,
-    else four), num_stages of load pipelining, and an optional register cap `maxnreg` (None: the
+    program's query rows fit one block and there are at least as many history programs as multiprocessors,
+    `ops.history_warps`, else four), num_stages of load pipelining, and an optional register cap `maxnreg` (None: the
     compiler's choice, about 206 registers, 9 one-warp programs per multiprocessor;
     `ops.history_registers` takes 168 where four-warp window programs need room beside a full wave of
     history programs). Without splits (prefill: `choose_splits` gives decode at least two) one launch
@@ -1057,10 +1057,12 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     b = batch.batch
     if b == 0 or batch.max_new == 0:
         return
+    windows = window_splits if num_splits > window_splits else 1
     if num_warps is None:
-        programs = b * lay.kv_heads * num_splits
-        many = q.device.type != "cuda" or programs >= 4 * _multiprocessors(q.device.index or 0)
-        num_warps = 1 if batch.max_new * group <= block_m and many else 4
+        from .ops import history_warps
+
+        history = num_splits - windows if num_splits > 1 and separate_windows else num_splits
+        num_warps = history_warps(b * lay.kv_heads * history, q.device) if batch.max_new * group <= block_m else 4
     bt = batch.block_table
     m_blocks = triton.cdiv(batch.max_new * group, block_m)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)
@@ -1077,7 +1079,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                  P=lay.page_size, S=lay.sink_tokens,
                  R=lay.recent_tokens, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
                  SINK_BLOCK=max(16, triton.next_power_of_2(max(lay.sink_tokens, 1))), ASM=cuda,
-                 WINDOW_SPLITS=window_splits if num_splits > window_splits else 1,
+                 WINDOW_SPLITS=windows,
                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1),
                  K_LLOYD=lay.key_inner is not None, V_LLOYD=lay.value_inner is not None,
                  PART_PAGE=batch.max_new > lay.recent_tokens)
