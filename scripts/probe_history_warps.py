@@ -1,0 +1,162 @@
+"""Developer tool (GPU): warps of the decode history programs and the window plan where they are few (forty-sixth
+session; docs/data/history-warps-h200.txt).
+
+    PYTHONPATH=src python scripts/probe_history_warps.py sweep   # one layer: history warps 4/1/2, 16 one-warp windows
+    PYTHONPATH=src python scripts/probe_history_warps.py ab      # the plan before the session against today's:
+                                                                 # one layer (with errors), then whole random models
+
+`sweep` times the shapes where the rule before the session took four-warp history programs (section 2 of the
+data). `ab` alternates that rule (one warp from four programs per multiprocessor, window programs counted, no
+few-history windows; emulated by wrapping `launch_attention` and `ops._few_history_windows`) with the shipped
+one (`ops.history_warps`, `ops.window_plan`), in one process (section 4).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from oscarkv.benchmarks.attention import _time_us, decode_case
+from oscarkv.kernels import ops, reference, triton_attention as ta
+from oscarkv.kernels.ops import (COMBINE_CHANNELS, WindowPlan, choose_row_groups, choose_splits, history_registers,
+                                 window_plan)
+
+SHAPES = {"smol": (9, 3, 64, 64), "qwen": (32, 8, 128, 128)}  # query heads, KV heads, head_dim, group
+ORIG_LAUNCH = ta.launch_attention
+ORIG_FEW = ops._few_history_windows
+
+
+def SMS() -> int:  # noqa: N802 - the GPU's multiprocessors
+    return ops._multiprocessor_count(torch.device("cuda"))
+
+
+def old_launch(layer, batch, q, k_new, v_new, out, scale, window, num_splits, workspace, **kw):
+    if kw.get("num_warps") is None:
+        group = q.shape[1] // layer.layout.kv_heads
+        programs = batch.batch * layer.layout.kv_heads * num_splits
+        kw["num_warps"] = 1 if batch.max_new * group <= kw.get("block_m", 16) and programs >= 4 * SMS() else 4
+    return ORIG_LAUNCH(layer, batch, q, k_new, v_new, out, scale, window, num_splits, workspace, **kw)
+
+
+def use(old: bool) -> None:
+    """The plan of before the forty-sixth session (old) or the shipped one."""
+    ta.launch_attention = old_launch if old else ORIG_LAUNCH
+    ops._few_history_windows = (lambda *a: False) if old else ORIG_FEW
+
+
+def layer_ab():
+    dev = torch.device("cuda")
+    for shape, runs in (("smol", ((1, 500), (1, 1000), (1, 2000), (1, 4000), (1, 8000), (2, 1000), (2, 2000),
+                                  (4, 1000), (8, 500), (8, 1000), (1, 32000))),
+                        ("qwen", ((1, 500), (1, 1000), (1, 2000), (1, 4000), (2, 1000), (4, 500), (8, 500),
+                                  (1, 32000)))):
+        hq, hkv, d, g = SHAPES[shape]
+        for b, ctx in runs:
+            case = decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=g)
+            ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, d ** -0.5, 0)
+            res, errs = {}, {}
+            for old in (True, False, True, False):
+                use(old)
+                splits = ops.choose_splits(case.layer, b, 1, hq, ctx, dev)
+                plan = ops.window_plan(case.layer, b, 1, hq, splits, ctx, dev)
+                out = torch.empty_like(case.q)
+                ws = (torch.empty(b, hq, splits, d, dtype=torch.float32, device=dev),
+                      torch.empty(b, hq, splits, dtype=torch.float32, device=dev))
+
+                def step(case=case, splits=splits, out=out, ws=ws):
+                    ops.attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, d ** -0.5,
+                                    num_splits=splits, max_context=ctx, out=out, workspace=ws, validate=False)
+                step()
+                errs["old" if old else "new"] = (out.float() - ref.float()).abs().max().item()
+                res.setdefault("old" if old else "new", []).append(_time_us(step))
+                res.setdefault("plan" + ("old" if old else "new"), (splits, plan))
+            use(False)
+            print(f"LAYER {shape} {b}x{ctx}: old {min(res['old']):6.1f} new {min(res['new']):6.1f} us "
+                  f"(ratio {min(res['old']) / min(res['new']):.2f}); plans {res['planold']} -> {res['plannew']}; "
+                  f"max err old {errs['old']:.2e} new {errs['new']:.2e}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+
+
+def model_ab():
+    from oscarkv.benchmarks.decode import decode_run, weight_bytes
+    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
+    from oscarkv.models import load_model
+    bw = copy_bandwidth_gbs(torch.device("cuda"))
+    for name, runs in (("random:smollm2-135m", ((1, 1000), (1, 2000), (1, 4000), (1, 7900), (4, 1000), (8, 500))),
+                       ("random:qwen3-4b", ((1, 1000), (1, 2000), (4, 500)))):
+        model, _ = load_model(name, device="cuda", dtype=torch.bfloat16)
+        w = weight_bytes(model)
+        for b, ctx in runs:
+            bf = decode_run(model, "bf16", b, ctx, 48, w, bw).step_ms
+            t = {"old": [], "new": []}
+            for rep in range(2):
+                for old in (True, False):
+                    use(old)
+                    t["old" if old else "new"].append(decode_run(model, "int2", b, ctx, 48, w, bw).step_ms)
+            use(False)
+            o, n = min(t["old"]), min(t["new"])
+            print(f"MODEL {name} {b}x{ctx}: bf16 {bf:.4f} int2 old {o:.4f} new {n:.4f} ms "
+                  f"(old/new {o / n:.3f}; bf16/int2 {bf / o:.2f} -> {bf / n:.2f}) runs {t}", flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
+def call(case, hq, d, num_warps=None, plan=None):
+    dev = torch.device("cuda")
+    b = case.q.shape[0]
+    ctx = int(case.cache.lengths[case.slots[0]]) + 1
+    splits = choose_splits(case.layer, b, 1, hq, ctx, dev)
+    default = window_plan(case.layer, b, 1, hq, splits, ctx, dev)
+    plan = plan or default
+    splits = splits - default.splits + plan.splits
+    rg = choose_row_groups(case.layer, 1, hq, splits, plan.splits, ctx)
+    regs = history_registers(case.layer, b, 1, hq, splits, plan, rg, dev)
+    out = torch.empty_like(case.q)
+    ws = (torch.empty(b, hq, splits, d, dtype=torch.float32, device=dev),
+          torch.empty(b, hq, splits, dtype=torch.float32, device=dev))
+
+    def step():
+        ta.launch_attention(case.layer, case.step, case.q, case.k_new, case.v_new, out, d ** -0.5, 0, splits, ws,
+                            window_splits=plan.splits, row_groups=rg, window_warps=plan.warps,
+                            window_block_n=plan.block_n, maxnreg=regs, combine_d_block=min(COMBINE_CHANNELS, d),
+                            num_warps=num_warps)
+    return step, splits, plan, regs
+
+
+def sweep():
+    for shape, batches, contexts in (("smol", (1, 2, 4, 8, 16), (1000, 2000, 4000, 8000, 16000)),
+                                     ("qwen", (1, 2, 4), (1000, 2000, 4000, 8000, 16000))):
+        hq, hkv, d, g = SHAPES[shape]
+        for b in batches:
+            for ctx in contexts:
+                case = decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=g)
+                step, splits, plan, regs = call(case, hq, d)
+                programs = b * hkv * splits
+                current = 1 if programs >= 4 * SMS() else 4
+                if current == 1:
+                    print(f"{shape} {b}x{ctx}: already one warp ({programs} programs)", flush=True)
+                    continue
+                res = []
+                for name, nw, pl in (("nw4", 4, None), ("nw1", 1, None), ("nw2", 2, None),
+                                     ("nw1 w16/1/16", 1, WindowPlan(16, 1, 16)),
+                                     ("nw4 w16/1/16", 4, WindowPlan(16, 1, 16))):
+                    try:
+                        fn = call(case, hq, d, nw, pl)[0]
+                        fn()
+                        res.append(f"{name} {min(_time_us(fn), _time_us(fn)):6.1f}")
+                    except Exception as exc:
+                        res.append(f"{name} fail {type(exc).__name__}")
+                print(f"{shape} {b}x{ctx} splits {splits} {plan} regs {regs} programs {programs} "
+                      f"hist/SM {b * hkv * (splits - plan.splits) / SMS():.2f}: " + " | ".join(res), flush=True)
+                del case
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), flush=True)
+    if "sweep" in sys.argv:
+        sweep()
+    if "ab" in sys.argv:
+        layer_ab()
+        model_ab()
