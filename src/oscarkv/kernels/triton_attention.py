@@ -9,8 +9,8 @@ history page is loaded once for all query heads that share it. With N > 1 splits
 WS splits share the BF16 windows (sink, stored ring tokens, the step's own tokens, causal)
 and the other N - WS share the INT2/INT4 history; each writes its partial output and
 log-sum-exp, and `_combine_kernel` merges them (flash-decoding). Decode launches the history
-splits and the window splits separately, so that the history programs (one warp each) keep a
-small register footprint. With N = 1 one program does everything and writes the output
+splits and the window splits separately, so that the history programs (one warp each where there
+are at least as many as multiprocessors, `ops.history_warps`) keep a small register footprint. With N = 1 one program does everything and writes the output
 directly (prefill).
 
 Dequantization costs no conversion instructions: each code c becomes a float16 with the same
