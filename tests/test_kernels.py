@@ -477,9 +477,12 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
         total = ops.choose_splits(model, batch, 1, query_heads, context, torch.device("cpu"))
         assert total == history + ops.FEW_HISTORY_WINDOW_SPLITS, (batch, context, total)
         assert ops.window_plan(model, batch, 1, query_heads, total, context, torch.device("cpu")) == few
-    # as many history programs as multiprocessors or more (Qwen3 1x2K: 8 x 30), or fewer than 8 history splits
-    assert plan(1, splits(1, 2000), 2000) == ops.WindowPlan(4)
-    assert plan(1, splits(1, 500), 500) == ops.WindowPlan(1)
+    # short contexts (fewer than 8 history splits) too: their windows are most of the tokens
+    assert splits(1, 500) == 6 + ops.FEW_HISTORY_WINDOW_SPLITS and plan(1, splits(1, 500), 500) == few
+    # as many history programs as multiprocessors or more (Qwen3 1x2K: 8 x 30, 4x500: 32 x 6), or more window
+    # programs than multiprocessors (Qwen3 2x500: 16 pairs x 16): the small-batch rule's 4 four-warp programs
+    for batch, context in ((1, 2000), (4, 500), (2, 500)):
+        assert plan(batch, splits(batch, context), context) == ops.WindowPlan(4), (batch, context)
 
 
 def test_history_programs_take_one_warp_from_one_per_multiprocessor(monkeypatch):

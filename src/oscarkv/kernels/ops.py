@@ -275,18 +275,24 @@ def history_warps(history_programs: int, device: torch.device) -> int:
 
 def _few_history_windows(programs: int, history_splits: int, sms: int) -> bool:
     """Whether a decode step reads its windows with FEW_HISTORY_WINDOW_SPLITS one-warp programs of 16-key blocks:
-    where its history programs take four warps (`history_warps`; 8 or more history splits). H200, one layer,
-    4-8 four-warp window programs of 64-key blocks -> 16 one-warp ones: SmolLM2 shapes 1x1K 8.9 -> 7.0 µs,
-    1x2K 9.7 -> 8.7, 2x1K 11.0 -> 8.4; Qwen3 shapes 1x1K 10.4 -> 8.7 (docs/data/history-warps-h200.txt). Beside
-    one-warp history programs they lose (1x4K SmolLM2 10.2 -> 13.7 µs)."""
-    return (ONE_WARP_WINDOW_BLOCK is not None and history_splits >= 8
+    where its history programs take four warps (`history_warps`) and the window programs are at most one per
+    multiprocessor (the measured range: up to 8 (sequence, KV head) pairs; at 24 pairs, 8x500 SmolLM2 shapes, 4-8
+    four-warp programs were faster: 12.5 against 13.1 µs). H200, one layer, 4-8 four-warp window programs
+    of 64-key blocks -> 16 one-warp ones: SmolLM2 shapes 1x1K 8.9 -> 7.0 µs, 1x2K 9.7 -> 8.7, 2x1K 11.0 -> 8.4;
+    Qwen3 shapes 1x1K 10.4 -> 8.7. Below 8 history splits (short contexts) the rule before took one four-warp
+    window program, which walked the sink and ring alone: SmolLM2 1x500 19.1 -> 6.4 µs, Qwen3 1x500 14.9 -> 8.3,
+    Qwen3 1x300 13.2 -> 6.6 (docs/data/history-warps-h200.txt). Beside one-warp history programs they lose (1x4K
+    SmolLM2 10.2 -> 13.7 µs)."""
+    return (ONE_WARP_WINDOW_BLOCK is not None and programs * FEW_HISTORY_WINDOW_SPLITS <= sms
             and programs * history_splits < ONE_WARP_HISTORY_PROGRAMS_PER_MULTIPROCESSOR * sms)
 
 
-def _window_splits(programs: int, history_splits: int, sms: int) -> int:
+def _window_splits(programs: int, sms: int) -> int:
     """Window splits per (sequence, KV head) of a decode step with `programs` of them:
-    - up to SMALL_BATCH_PROGRAMS (batch 1-4 with 8 KV heads) at long context (8 or more history splits):
-      `_small_batch_window_splits`, since the window programs alone would leave most of the GPU idle.
+    - up to SMALL_BATCH_PROGRAMS (batch 1-4 with 8 KV heads): `_small_batch_window_splits`, since the window
+      programs alone would leave most of the GPU idle. Until the forty-sixth session only at 8 or more history
+      splits, else one; at short contexts the windows are most of the tokens (H200, one layer, 1 -> 4 window
+      splits: SmolLM2 shapes 8x500 19.7 -> 12.5 µs, Qwen3 shapes 4x500 15.5 -> 12.1).
       One window program walks ~6 blocks of the sink and ring one after another: 11 µs on the H100,
       as long as the whole history at 8K;
     - more, up to 2 per multiprocessor: MID_BATCH_WINDOW_SPLITS (2). H100, Qwen3 shapes, one layer, 1 / 4 /
@@ -295,7 +301,7 @@ def _window_splits(programs: int, history_splits: int, sms: int) -> int:
       there; the rule before took 4). With 4 pairs per multiprocessor (64x4K, 64x8K) 1 is 1-2% faster;
     - otherwise 1."""
     if programs <= SMALL_BATCH_PROGRAMS:
-        return _small_batch_window_splits(programs) if history_splits >= 8 else 1
+        return _small_batch_window_splits(programs)
     return MID_BATCH_WINDOW_SPLITS if programs <= 2 * sms else 1
 
 
@@ -337,7 +343,7 @@ def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int) -
         return history, WindowPlan(1, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
     if _few_history_windows(programs, history, sms):
         return history, WindowPlan(FEW_HISTORY_WINDOW_SPLITS, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
-    return history, WindowPlan(_window_splits(programs, history, sms))
+    return history, WindowPlan(_window_splits(programs, sms))
 
 
 def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
@@ -355,7 +361,7 @@ def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: i
     # a split count chosen elsewhere: one-warp windows or the batch rule, as `choose_splits` would take them
     if _one_warp_windows(layer, programs, num_splits - 1, max_context, sms):
         return WindowPlan(1, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
-    windows = _window_splits(programs, num_splits - _small_batch_window_splits(programs), sms)
+    windows = _window_splits(programs, sms)
     return WindowPlan(windows if num_splits > windows else 1)
 
 
