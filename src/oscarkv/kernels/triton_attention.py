@@ -10,8 +10,8 @@ WS splits share the BF16 windows (sink, stored ring tokens, the step's own token
 and the other N - WS share the INT2/INT4 history; each writes its partial output and
 log-sum-exp, and `_combine_kernel` merges them (flash-decoding). Decode launches the history
 splits and the window splits separately, so that the history programs (one warp each where there
-are at least as many as multiprocessors, `ops.history_warps`) keep a small register footprint. With N = 1 one program does everything and writes the output
-directly (prefill).
+are at least as many as multiprocessors, `ops.history_warps`) keep a small register footprint.
+With N = 1 one program does everything and writes the output directly (prefill).
 
 Dequantization costs no conversion instructions: each code c becomes a float16 with the same
 bits (an exact subnormal), and the dots run on those raw codes with float16
@@ -1027,9 +1027,9 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
     that the history programs get their own small footprint: num_warps (None: one warp when a
-    program's query rows fit one block and there are at least as many history programs as multiprocessors,
-    `ops.history_warps`, else four), num_stages of load pipelining, and an optional register cap `maxnreg` (None: the
-    compiler's choice, about 206 registers, 9 one-warp programs per multiprocessor;
+    program's query rows fit one block and there are at least as many history programs as
+    multiprocessors, `ops.history_warps`, else four), num_stages of load pipelining, and an optional
+    register cap `maxnreg` (None: the compiler's choice, about 206 registers, 9 one-warp programs per multiprocessor;
     `ops.history_registers` takes 168 where four-warp window programs need room beside a full wave of
     history programs). Without splits (prefill: `choose_splits` gives decode at least two) one launch
     does everything with two stages.
