@@ -1,14 +1,17 @@
-"""Developer tool (GPU): warps of the decode history programs and the window plan where they are few (forty-sixth
-session; docs/data/history-warps-h200.txt).
+"""Developer tool (GPU): warps of the decode history programs, and the window programs where the history programs
+are few or the context is short (forty-sixth session; docs/data/history-warps-h200.txt).
 
     PYTHONPATH=src python scripts/probe_history_warps.py sweep   # one layer: history warps 4/1/2, 16 one-warp windows
+    PYTHONPATH=src python scripts/probe_history_warps.py short   # one layer, short contexts: window plans
     PYTHONPATH=src python scripts/probe_history_warps.py ab      # the plan before the session against today's:
                                                                  # one layer (with errors), then whole random models
 
-`sweep` times the shapes where the rule before the session took four-warp history programs (section 2 of the
-data). `ab` alternates that rule (one warp from four programs per multiprocessor, window programs counted, no
-few-history windows; emulated by wrapping `launch_attention` and `ops._few_history_windows`) with the shipped
-one (`ops.history_warps`, `ops.window_plan`), in one process (section 4).
+`sweep` times, from the plan before the session, the shapes where it took four-warp history programs (section 2
+of the data). `short` times window plans at contexts under 8 history splits (section 6). `ab` alternates the plan
+before the session with the shipped one in one process (section 4; its run preceded the short-context change).
+The plan before the session is emulated: `launch_attention` wrapped to give history programs one warp from four
+programs per multiprocessor, window programs counted; `ops._decode_plan` wrapped to take no few-history windows and
+one window program below 8 history splits.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from oscarkv.kernels.ops import (COMBINE_CHANNELS, WindowPlan, choose_row_groups
 
 SHAPES = {"smol": (9, 3, 64, 64), "qwen": (32, 8, 128, 128)}  # query heads, KV heads, head_dim, group
 ORIG_LAUNCH = ta.launch_attention
-ORIG_FEW = ops._few_history_windows
+ORIG_PLAN = ops._decode_plan
 
 
 def SMS() -> int:  # noqa: N802 - the GPU's multiprocessors
@@ -38,10 +41,19 @@ def old_launch(layer, batch, q, k_new, v_new, out, scale, window, num_splits, wo
     return ORIG_LAUNCH(layer, batch, q, k_new, v_new, out, scale, window, num_splits, workspace, **kw)
 
 
+def old_plan(layer, programs, max_context, sms):
+    history, plan = ORIG_PLAN(layer, programs, max_context, sms)
+    if plan == WindowPlan(1, warps=1, block_n=ops.ONE_WARP_WINDOW_BLOCK):  # one-warp windows: unchanged
+        return history, plan
+    if programs <= ops.SMALL_BATCH_PROGRAMS:
+        return history, WindowPlan(ops._small_batch_window_splits(programs) if history >= 8 else 1)
+    return history, WindowPlan(ops.MID_BATCH_WINDOW_SPLITS if programs <= 2 * sms else 1)
+
+
 def use(old: bool) -> None:
     """The plan of before the forty-sixth session (old) or the shipped one."""
     ta.launch_attention = old_launch if old else ORIG_LAUNCH
-    ops._few_history_windows = (lambda *a: False) if old else ORIG_FEW
+    ops._decode_plan = old_plan if old else ORIG_PLAN
 
 
 def layer_ab():
@@ -125,6 +137,7 @@ def call(case, hq, d, num_warps=None, plan=None):
 
 
 def sweep():
+    use(True)  # the plan before the session: its window plans, and the shapes where it took four warps
     for shape, batches, contexts in (("smol", (1, 2, 4, 8, 16), (1000, 2000, 4000, 8000, 16000)),
                                      ("qwen", (1, 2, 4), (1000, 2000, 4000, 8000, 16000))):
         hq, hkv, d, g = SHAPES[shape]
@@ -145,18 +158,46 @@ def sweep():
                         fn = call(case, hq, d, nw, pl)[0]
                         fn()
                         res.append(f"{name} {min(_time_us(fn), _time_us(fn)):6.1f}")
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001
                         res.append(f"{name} fail {type(exc).__name__}")
                 print(f"{shape} {b}x{ctx} splits {splits} {plan} regs {regs} programs {programs} "
                       f"hist/SM {b * hkv * (splits - plan.splits) / SMS():.2f}: " + " | ".join(res), flush=True)
                 del case
                 torch.cuda.empty_cache()
+    use(False)
+
+
+SHORT_PLANS = (("W1/4 (before)", WindowPlan(1)), ("W4", WindowPlan(4)), ("W8", WindowPlan(8)),
+               ("W16/1/16", WindowPlan(16, 1, 16)), ("W8/1/16", WindowPlan(8, 1, 16)),
+               ("W24/1/16", WindowPlan(24, 1, 16)), ("W8/4/32", WindowPlan(8, 4, 32)))
+
+
+def short():
+    """Window plans at short contexts, history as `choose_splits` takes it, history warps as shipped."""
+    dev = torch.device("cuda")
+    for shape, b, ctx in (("smol", 1, 500), ("qwen", 1, 500), ("smol", 8, 500), ("qwen", 4, 500), ("qwen", 1, 300)):
+        hq, hkv, d, g = SHAPES[shape]
+        case = decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=g)
+        splits = choose_splits(case.layer, b, 1, hq, ctx, dev)
+        res = [f"shipped {window_plan(case.layer, b, 1, hq, splits, ctx, dev)}"]
+        for name, plan in SHORT_PLANS:
+            try:
+                fn = call(case, hq, d, None, plan)[0]
+                fn()
+                res.append(f"{name} {_time_us(fn):5.1f}")
+            except Exception as exc:  # noqa: BLE001 - a plan that does not compile is reported and skipped
+                res.append(f"{name} fail {type(exc).__name__}")
+        print(f"{shape} {b}x{ctx}: " + " | ".join(res), flush=True)
+        del case
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), flush=True)
     if "sweep" in sys.argv:
         sweep()
+    if "short" in sys.argv:
+        short()
     if "ab" in sys.argv:
         layer_ab()
         model_ab()
