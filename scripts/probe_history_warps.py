@@ -95,8 +95,9 @@ def model_ab():
     from oscarkv.benchmarks.attention import copy_bandwidth_gbs
     from oscarkv.models import load_model
     bw = copy_bandwidth_gbs(torch.device("cuda"))
-    for name, runs in (("random:smollm2-135m", ((1, 1000), (1, 2000), (1, 4000), (1, 7900), (4, 1000), (8, 500))),
-                       ("random:qwen3-4b", ((1, 1000), (1, 2000), (4, 500)))):
+    for name, runs in (("random:smollm2-135m", ((1, 500), (1, 1000), (1, 2000), (1, 4000), (1, 7900), (4, 1000),
+                                                (8, 500))),
+                       ("random:qwen3-4b", ((1, 500), (1, 1000), (1, 2000), (4, 500)))):
         model, _ = load_model(name, device="cuda", dtype=torch.bfloat16)
         w = weight_bytes(model)
         for b, ctx in runs:
