@@ -92,7 +92,8 @@ def test_bench_decode_without_gpu_says_so():
         run(Settings())
 
 
-@pytest.mark.parametrize("command, args", [("bench decode", ["--contexts", "1000"]), ("bench attention", [])])
+@pytest.mark.parametrize("command, args", [("bench decode", ["--contexts", "1000"]), ("bench attention", []),
+                                           ("bench attention", ["--model", "random:smollm2-135m"])])
 def test_gpu_benchmarks_without_gpu_say_so_in_one_line_before_any_progress_bar(command, args, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # so that it also holds on a GPU machine
     assert main([*command.split(), *args]) == 2
@@ -101,6 +102,30 @@ def test_gpu_benchmarks_without_gpu_say_so_in_one_line_before_any_progress_bar(c
     assert captured.err.splitlines() == [captured.err.strip()]
     assert captured.err.startswith(f"oscarkv: error: `oscarkv {command}` measures a CUDA GPU and none is visible")
     assert captured.out == ""
+
+
+def test_bench_attention_takes_the_layer_shape_of_a_model_and_refuses_what_the_cache_cannot_hold(tmp_path, capsys):
+    """`bench attention --model` reads heads, head_dim and the default group size from the model's config (no
+    weights); a head_dim the paged cache does not support, or an unknown model, is refused in one line before
+    the GPU is looked for."""
+    import json as json_
+
+    from oscarkv.benchmarks.attention import QWEN3_LAYER, LayerShape, layer_shape
+
+    assert layer_shape("random:smollm2-135m") == LayerShape(9, 3, 64, 64)
+    assert layer_shape("random:qwen3-4b") == QWEN3_LAYER == LayerShape(32, 8, 128, 128)
+    assert "9 query / 3 KV heads, head_dim 64, group 64" in LayerShape(9, 3, 64, 64).describe()
+    model = tmp_path / "odd"
+    model.mkdir()
+    (model / "config.json").write_text(json_.dumps(dict(
+        model_type="llama", hidden_size=384, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256)))  # head_dim 96
+    with pytest.raises(OscarError, match="head_dim=96 is not supported by the paged cache"):
+        layer_shape(str(model))
+    for name, message in ((str(model), "head_dim=96"), ("no-such-model", "random:smollm2-135m")):
+        assert main(["bench", "attention", "--model", name]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("oscarkv: error: ") and message in err and "CUDA" not in err, err
 
 
 def test_version_names_oscarkv_as_installed_and_its_libraries(capsys):

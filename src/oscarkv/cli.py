@@ -407,11 +407,14 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 def cmd_bench_attention(args) -> int:
     from .benchmarks import attention
 
-    results = attention.run(_parse_shapes(args.shapes), args.write_tokens, args.lloyd_inner)
+    shapes = _parse_shapes(args.shapes)
+    layer = attention.layer_shape(args.model) if args.model else attention.QWEN3_LAYER
+    results = attention.run(shapes, args.write_tokens, args.lloyd_inner, layer)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     print(f"{results['device']}  copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s  torch {results['torch']}")
+    print(f"one layer{' of ' + args.model if args.model else ''}: {layer.describe()}")
     lloyd = args.lloyd_inner is not None
     print(f"{'batch':>5} {'context':>8} {'SDPA us':>9} {'INT2 us':>9} {'speedup':>8} {'INT2 GB/s':>10} "
           f"{'% copy BW':>9} {'copy us':>8} {'% copy':>7} {'max err':>8}"
@@ -695,9 +698,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: attention and decode (CUDA GPU), serve (a running server)")
     bench_sub = p.add_subparsers(dest="bench", required=True)
-    b = bench_sub.add_parser("attention", help="INT2 decode kernel vs BF16 SDPA on one layer (32q/8kv/128)")
+    b = bench_sub.add_parser("attention",
+                             help="INT2 decode kernel vs BF16 SDPA on one layer (Qwen3 shapes, or --model's)")
     b.add_argument("--shapes", default="1x8192,1x32768,1x65536,1x131072,32x8192,32x32768",
                    help="BATCHxCONTEXT pairs (default %(default)s)")
+    b.add_argument("--model", default=None,
+                   help="time the layer shape of this model (its config only: heads, head_dim, and its default group "
+                        "size), e.g. random:smollm2-135m (default: Qwen3-4B/8B's, 32 query / 8 KV heads, head_dim 128)")
     b.add_argument("--write-tokens", type=int, default=32768, help="prompt length for the write-path throughput")
     b.add_argument("--lloyd-inner", type=float, default=None, metavar="A",
                    help="also time every step with Lloyd-Max INT2 levels at inner level A (e.g. 0.38), same codes")

@@ -20,6 +20,7 @@ from torch import nn
 from .assets import GEMMA3_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, PartedAsset, asset_path, assembled_path, cache_dir, cache_lock
 from .calibration.artifact import ModelIdentity
 from .errors import AssetError, OscarError, TokenizerError, UnsupportedModelError
+from .random_models import CONFIGS as RANDOM_CONFIGS
 from .random_models import PREFIX as RANDOM_PREFIX
 from .random_models import random_config, random_model
 
@@ -230,7 +231,9 @@ def _write_converted(gguf: Path, target: Path) -> None:
 def _not_a_model(name: str) -> AssetError:
     return AssetError(
         f"model {name!r} is not a built-in alias ({', '.join(ALIASES)}), a local Hugging Face directory "
-        "(with config.json), a .gguf file or a random-weight architecture (random:qwen3-4b, random:qwen3-8b). Pass one of those; models are never downloaded from a hub."
+        f"(with config.json), a .gguf file or a random-weight architecture "
+        f"({', '.join(RANDOM_PREFIX + key for key in RANDOM_CONFIGS)}). Pass one of those; models are never downloaded "
+        "from a hub."
     )
 
 

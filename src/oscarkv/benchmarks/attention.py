@@ -1,7 +1,8 @@
 """`oscarkv bench attention`: the INT2 decode kernel against BF16 SDPA on the same cache contents.
 
 One attention layer with the shapes of Qwen3-4B/8B (32 query heads, 8 KV heads,
-head_dim 128), group 128, INT2 history, sink 64, recent 256, pages of 64 tokens. For
+head_dim 128), group 128, or of a named model (`layer_shape`: `--model`), INT2 history,
+sink 64, recent 256, pages of 64 tokens. For
 each (batch, context) the cache is filled with random codes, scales and windows; the
 BF16 baseline attends over exactly those values, dequantized, with torch SDPA (flash
 backend where it runs). Both are timed in the same process with CUDA graphs (launch
@@ -19,12 +20,44 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..cache.paged import PagedKVCache, PagedLayer, PagedLayout, StepBatch
+from ..cache.paged import KERNEL_HEAD_DIMS, PagedKVCache, PagedLayer, PagedLayout, StepBatch
+from ..errors import OscarError
 from . import require_cuda
 from ..kernels import reference
 from ..kernels.ops import RotationPieces, attend_step, choose_splits, rotation_pieces, write_step
 
 DEFAULT_SHAPES = ((1, 8192), (1, 32768), (1, 65536), (1, 131072), (32, 8192), (32, 32768))
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The attention layer `bench attention` times: heads, head_dim, and the group of channels per scale."""
+    query_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    group: int = 128
+
+    def describe(self) -> str:
+        return (f"{self.query_heads} query / {self.kv_heads} KV heads, head_dim {self.head_dim}, "
+                f"group {self.group}")
+
+
+QWEN3_LAYER = LayerShape()  # Qwen3-4B and Qwen3-8B
+
+
+def layer_shape(model: str) -> LayerShape:
+    """The attention layer of MODEL (its config only, no weights), with the default group size of its head_dim,
+    checked against what the paged cache supports before any GPU work."""
+    from ..config import QuantConfig
+    from ..models import attention_shape, model_config
+
+    shape = attention_shape(model_config(model))
+    if shape.head_dim not in KERNEL_HEAD_DIMS:
+        raise OscarError(f"{model}: head_dim={shape.head_dim} is not supported by the paged cache; supported: "
+                         f"{KERNEL_HEAD_DIMS}.")
+    group = QuantConfig.for_head_dim(shape.head_dim).group_size
+    PagedLayout(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, group_size=group)  # refuses what it cannot hold
+    return LayerShape(shape.num_heads, shape.num_kv_heads, shape.head_dim, group)
 
 
 @dataclass
@@ -292,14 +325,17 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
     return WriteResult(tokens, us, tokens / us * 1e6, moved, gbs, gbs / copy_gbs, lloyd_us, eager_us)
 
 
-def run(shapes=DEFAULT_SHAPES, write_tokens: int = 32768, inner: float | None = None) -> dict:
+def run(shapes=DEFAULT_SHAPES, write_tokens: int = 32768, inner: float | None = None,
+        layer: LayerShape = QWEN3_LAYER) -> dict:
     require_cuda("bench attention")
     device = torch.device("cuda")
     copy_gbs = copy_bandwidth_gbs(device)
     rows = []
     for batch, context in shapes:
-        rows.append(asdict(bench_decode(batch, context, copy_gbs=copy_gbs, inner=inner)))
+        rows.append(asdict(bench_decode(batch, context, layer.query_heads, layer.kv_heads, layer.head_dim, layer.group,
+                                        copy_gbs=copy_gbs, inner=inner)))
         torch.cuda.empty_cache()
-    write = asdict(bench_write(write_tokens, copy_gbs=copy_gbs, inner=inner))
-    return {"device": torch.cuda.get_device_name(device), "copy_bandwidth_gbs": copy_gbs, "decode": rows,
-            "write": write, "torch": torch.__version__}
+    write = asdict(bench_write(write_tokens, layer.kv_heads, layer.head_dim, layer.group, copy_gbs=copy_gbs,
+                               inner=inner))
+    return {"device": torch.cuda.get_device_name(device), "copy_bandwidth_gbs": copy_gbs, "layer": asdict(layer),
+            "decode": rows, "write": write, "torch": torch.__version__}
