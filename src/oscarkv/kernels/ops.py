@@ -270,7 +270,12 @@ def history_warps(history_programs: int, device: torch.device) -> int:
     window programs included (docs/data/history-warps-h200.txt)."""
     if device.type != "cuda":
         return 1
-    return 1 if history_programs >= ONE_WARP_HISTORY_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessor_count(device) else 4
+    return 1 if _one_warp_history(history_programs, _multiprocessor_count(device)) else 4
+
+
+def _one_warp_history(history_programs: int, sms: int) -> bool:
+    """The rule of `history_warps` (and of `_few_history_windows`, its complement) on `sms` multiprocessors."""
+    return history_programs >= ONE_WARP_HISTORY_PROGRAMS_PER_MULTIPROCESSOR * sms
 
 
 def _few_history_windows(programs: int, history_splits: int, sms: int) -> bool:
@@ -284,7 +289,7 @@ def _few_history_windows(programs: int, history_splits: int, sms: int) -> bool:
     Qwen3 1x300 13.2 -> 6.6 (docs/data/history-warps-h200.txt). Beside one-warp history programs they lose (1x4K
     SmolLM2 10.2 -> 13.7 µs)."""
     return (ONE_WARP_WINDOW_BLOCK is not None and programs * FEW_HISTORY_WINDOW_SPLITS <= sms
-            and programs * history_splits < ONE_WARP_HISTORY_PROGRAMS_PER_MULTIPROCESSOR * sms)
+            and not _one_warp_history(programs * history_splits, sms))
 
 
 def _window_splits(programs: int, sms: int) -> int:
