@@ -1,7 +1,7 @@
 """Developer tool (no GPU needed): count the SASS instructions of the decode kernel's history loop.
 
 Compiles `_paged_attention_kernel` for the history launch (REGIONS=1) of the benchmark shape
-(32 query / 8 KV heads, D = 128, group 128, INT2, one warp) down to an sm_90 cubin with the ptxas of
+(32 query / 8 KV heads, D = 128, group 128, INT2, one warp; or SmolLM2's, `--head-dim 64`) down to an sm_90 cubin with the ptxas of
 the installed Triton, disassembles it with Triton's nvdisasm, and counts the instructions between
 the history loop's label and its backward branch, by opcode. Pointer arguments get the 16-byte
 divisibility that the JIT gives real tensors, so the loads vectorise as they do on the GPU.
@@ -32,8 +32,13 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 
 
-def compile_history_kernel(stages: int, maxnreg: int | None, row_groups: int = 1) -> bytes:
-    constexprs = dict(HQ=32, HKV=8, D=128, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256, NUM_SPLITS=17, BLOCK_M=16,
+# (query heads, KV heads) of the layer shapes by head_dim: Qwen3-4B/8B's, SmolLM2-135M's
+HEADS = {128: (32, 8), 64: (9, 3)}
+
+
+def compile_history_kernel(stages: int, maxnreg: int | None, row_groups: int = 1, head_dim: int = 128) -> bytes:
+    hq, hkv = HEADS[head_dim]
+    constexprs = dict(HQ=hq, HKV=hkv, D=head_dim, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256, NUM_SPLITS=17, BLOCK_M=16,
                       BLOCK_N=64, SINK_BLOCK=64, ASM=True, REGIONS=1, WINDOW_SPLITS=4, KEY_SHIFTS=False,
                       SHIFT_BLOCK=1024, OVERLAP=1, K_LLOYD=False, V_LLOYD=False, PART_PAGE=False)
     constexprs["ROW_GROUPS"] = row_groups
@@ -73,12 +78,14 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--row-groups", type=int, default=1, help="pages per softmax step (ROW_GROUPS)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=sorted(HEADS),
+                        help="128: Qwen3 shapes (32 query / 8 KV heads); 64: SmolLM2's (9 / 3), group 64")
     args = parser.parse_args()
-    sass, usage = disassemble(compile_history_kernel(args.stages, args.maxnreg, args.row_groups))
+    sass, usage = disassemble(compile_history_kernel(args.stages, args.maxnreg, args.row_groups, args.head_dim))
     labels, loops = loop_spans(sass)
     start, end = max(loops, key=lambda span: span[1] - span[0])  # the history loop is the largest
     ops = count(sass[start:end + 1])
-    print(f"Triton {triton.__version__}, sm_90, {args.stages} stages, maxnreg {args.maxnreg}, "
+    print(f"Triton {triton.__version__}, sm_90, head_dim {args.head_dim}, {args.stages} stages, maxnreg {args.maxnreg}, "
           f"{args.row_groups} row group(s): the loop reads {args.row_groups} page(s) per iteration")
     print("registers:", re.search(r"REG:(\d+)", usage).group(1))
     print("history loop instructions:", sum(ops.values()))

@@ -415,7 +415,7 @@ def test_no_clipping():
     _drive(layout, 2, [[90], [1]], clip_k=0.0, clip_v=0.0)
 
 
-# head_dim 64 reads the history as byte quarters, 128 as int16 slices (one split: across_shapes);
+# head_dim 64 reads the history as quarter slices of widened bytes, 128 as int16 slices (one split: across_shapes);
 # two splits take a sliding window of 40.
 @pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (2, 64), (5, 64), (2, 128), (5, 128)])
 def test_sequence_splits_and_sliding_window(num_splits, head_dim):
@@ -430,11 +430,13 @@ def test_sequence_splits_and_sliding_window(num_splits, head_dim):
 # above; the fused kernel's prompts, across_shapes and the others): the decode steps are what this tests.
 @pytest.mark.parametrize("head_dim,gqa,row_groups,num_splits,extra", [
     (128, 4, 2, 3, {}), (128, 4, 4, 2, {}), (256, 2, 3, 3, {}), (128, 8, 2, 3, {}), (128, 6, 2, 3, {}),
-    (128, 4, 2, 3, dict(shift_block=40, key_inner=0.37, value_inner=0.39)), (128, 4, 2, 3, dict(window=70))])
+    (128, 4, 2, 3, dict(shift_block=40, key_inner=0.37, value_inner=0.39)), (128, 4, 2, 3, dict(window=70)),
+    (64, 3, 4, 2, {})])
 def test_decode_row_groups_match_reference(head_dim, gqa, row_groups, num_splits, extra):
+    """Head_dim 64 (quarter slices) takes row groups too where asked (`ops.choose_row_groups` does not ask)."""
     extra = dict(extra)
     lloyd = {name: extra.pop(name) for name in ("key_inner", "value_inner") if name in extra}
-    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=128, **SMALL, **lloyd)
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=min(128, head_dim), **SMALL, **lloyd)
     _drive(layout, 2 * gqa, [[180, 100, 47], [1, 1, 1], [1, 1, 0]], num_splits=num_splits, window_splits=1,
            row_groups=row_groups, extend="dequantize", **extra)
 
@@ -570,8 +572,9 @@ def test_decode_windows_shared_by_several_splits():
            extend=["dequantize", "auto", "fused", "auto"])
 
 
-@pytest.mark.parametrize("window_splits,window,head_dim", [(5, 0, 128), (3, 150, 128), (16, 0, 64)])
-def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, head_dim):
+@pytest.mark.parametrize("window_splits,window,head_dim,warps,block_n", [
+    (5, 0, 128, 1, 16), (3, 150, 128, 1, 16), (16, 0, 64, 1, 16)])
+def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, head_dim, warps, block_n):
     """One-warp window programs read 16-key blocks: the 64-token sink's four blocks go round the window
     splits with the ring's (5 splits: one takes no sink block; 16 splits, as few history programs take them:
     twelve take none), the combine merges 32 channels per program; with a sliding window that starts inside
@@ -583,7 +586,7 @@ def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, h
     layout = PagedLayout(kv_heads=1, head_dim=head_dim, group_size=head_dim, page_size=16, sink_tokens=64,
                          recent_tokens=128)
     _drive(layout, 4, [[230, 70, 40], [1, 1, 1], [1, 1, 0], [2, 0, 3]], num_splits=window_splits + 2,
-           window_splits=WindowPlan(window_splits, warps=1, block_n=16), window=window,
+           window_splits=WindowPlan(window_splits, warps=warps, block_n=block_n), window=window,
            extend=["dequantize", "auto", "auto", "fused"])
 
 

@@ -19,8 +19,8 @@ queries/probabilities and float32 accumulation. Each token's scale s and zero z 
 to the small score tile (s·2^24·(q·c) - s·z·Σq) and folded into the probabilities for the
 values (Σ p·s·c·2^24 - Σ p·s·z), never to the [tokens, D] tiles. For D >= 128 the history
 is read as int16 words and split into eight "slices" with one 32-bit AND per pair of words
-(see the comment above `_slice_layout`); D = 64 reads bytes as four quarters
-(`_page_codes`). The online softmax works in base 2 with the softmax scale folded into the
+(see the comment above `_slice_layout`); D = 64 widens the bytes to 16-bit lanes once and takes
+four "quarter slices" with the same AND. The online softmax works in base 2 with the softmax scale folded into the
 queries. With key shifts (key_centering="rope") each history page's scores get the term
 q·shift of its block, computed once per step by `_score_shift_kernel`. INT2 streams with
 Lloyd–Max levels (`quant.format`) add one high-bit dot per code tile (`_lloyd_dot`).
@@ -41,48 +41,7 @@ LOG2E = 1.4426950408889634
 COMBINE_WARPS = 4  # 2 and 8 were slower or no faster on the H100 (docs/data/combine-write-warps-h100.txt)
 BLOCK_M_CHOICES = (8, 16, 32)  # query rows per program that `launch_attention` takes (16: every decode and prefill)
 
-UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·2^-24 (see _as_float16_units)
-
-
-@triton.jit
-def _as_float16_units(c):
-    """Small integer codes as float16 with the same bits: c·2^-24, an exact subnormal."""
-    return c.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _page_codes(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr = False):
-    """Codes of one (page, KV head), P rows from row `row0`, as four [P, D/4] float16 quarters in
-    units of 2^-24 (`_as_float16_units`), and (LLOYD) the four quarters of their high bits b1 in the
-    same units (else the codes again). The P rows are one contiguous run of bytes, read with
-    wide loads; turning a code into a float16 costs a shift and a mask, no conversion."""
-    W: tl.constexpr = D // 4
-    ROW_BYTES: tl.constexpr = D * BITS // 8
-    MASK: tl.constexpr = (1 << BITS) - 1
-    src = codes_ptr + row0 * ROW_BYTES + (tl.arange(0, P) * ROW_BYTES)[:, None] + tl.arange(0, W)[None, :]
-    if BITS == 2:
-        packed = tl.load(src)
-        c0 = packed & MASK
-        c1 = (packed >> 2) & MASK
-        c2 = (packed >> 4) & MASK
-        c3 = packed >> 6
-        if LLOYD:
-            b0 = (packed >> 1) & 1
-            b1 = (packed >> 3) & 1
-            b2 = (packed >> 5) & 1
-            b3 = packed >> 7
-        else:
-            b0, b1, b2, b3 = c0, c1, c2, c3
-    else:
-        low = tl.load(src)
-        high = tl.load(src + W)
-        c0 = low & MASK
-        c2 = low >> 4
-        c1 = high & MASK
-        c3 = high >> 4
-        b0, b1, b2, b3 = c0, c1, c2, c3
-    return (_as_float16_units(c0), _as_float16_units(c1), _as_float16_units(c2), _as_float16_units(c3),
-            _as_float16_units(b0), _as_float16_units(b1), _as_float16_units(b2), _as_float16_units(b3))
+UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·mult·2^-24 (see `_slice_layout`)
 
 
 @triton.jit
@@ -99,7 +58,7 @@ def _page_params(scale_ptr, zero_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P
 
 
 # History scores stay in the units of the dots until the softmax: d = q·c of the unscaled float16 queries counts
-# in units of 2^-24 (the codes' float16 bits, `_as_float16_units`), and q·(c - z)·s = s·(2^24·d - z·Σq) is kept
+# in units of 2^-24 (the codes' float16 bits, `_masked_units`), and q·(c - z)·s = s·(2^24·d - z·Σq) is kept
 # as s·(d - z·Σq/unit), unit being 2^24 (UNIT_INV) or 3a·2^24 for Lloyd–Max levels, where d = q·(c + kappa·b1)
 # (`_lloyd_dot`). Two fused multiply-adds per element and group give it (Σq/unit is one number per query row),
 # and the softmax multiplies by unit times the softmax scale (the kernel's `score_units`) in the fused
@@ -152,38 +111,7 @@ def _unit(unit, LLOYD: tl.constexpr):
         return UNIT_INV
 
 
-@triton.jit
-def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, kc_ptr, ks_ptr, kz_ptr, row0,
-                    P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr):
-    """[BLOCK_M, P] float32 scores, in units of the dots, of the queries (float16 quarters q_i; qs_i: their sums
-    divided by unit; qk_i = q_i·kappa for Lloyd–Max levels) against one page of quantized keys. The dots run on
-    the raw codes; the scale and zero of each token and group are applied to the [BLOCK_M, P] result, not to
-    the [P, D] keys."""
-    k0, k1, k2, k3, b0, b1, b2, b3 = _page_codes(kc_ptr, row0, P, D, BITS, LLOYD)
-    d = _lloyd_dot(q0, tl.trans(k0), tl.trans(b0), qk0, None, LLOYD)
-    if NG == 4:
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0)
-        s += _group_scores(_lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, None, LLOYD), ks_ptr, kz_ptr, row0, 1,
-                           NG, P, qs1)
-        s += _group_scores(_lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, None, LLOYD), ks_ptr, kz_ptr, row0, 2,
-                           NG, P, qs2)
-        s += _group_scores(_lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, None, LLOYD), ks_ptr, kz_ptr, row0, 3,
-                           NG, P, qs3)
-    elif NG == 2:
-        d = _lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, d, LLOYD)
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1)
-        d = _lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, None, LLOYD)
-        d = _lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, d, LLOYD)
-        s += _group_scores(d, ks_ptr, kz_ptr, row0, 1, NG, P, qs2 + qs3)
-    else:
-        d = _lloyd_dot(q1, tl.trans(k1), tl.trans(b1), qk1, d, LLOYD)
-        d = _lloyd_dot(q2, tl.trans(k2), tl.trans(b2), qk2, d, LLOYD)
-        d = _lloyd_dot(q3, tl.trans(k3), tl.trans(b3), qk3, d, LLOYD)
-        s = _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qs0 + qs1 + qs2 + qs3)
-    return s
-
-
-# Sliced history path (D >= 128). The codes of a history row, read as int16 words, hold 8
+# Sliced history path. D >= 128: the codes of a history row, read as int16 words, hold 8
 # "slices" of D/8 channels each (INT2: one slice per 2-bit field of the word; INT4: 4 fields
 # of each half of the row). A slice is extracted from a [P, D/8] word tile with one AND (and,
 # for the high byte, one shift shared by its slices), and read as float16 with the same
@@ -193,12 +121,27 @@ def _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, kc_p
 # becomes a pair of float16 with one 32-bit instruction: no byte permutes, and the multipliers
 # stay <= 64 so that the scaled queries stay normal float16 numbers. Slice s covers channels
 # 2u + parity(s) + offset(s), u < D/8.
+#
+# D = 64 (D/8 = 8 is below the smallest dot): 4 "quarter slices" of D/4 channels. A row's bytes
+# [P, D/4] (INT4: two such tiles) are widened once to 16-bit lanes, one byte each, and slice s
+# is one field of every lane, extracted with the same AND: channels offset(s) + u, u < D/4.
+# Until the forty-seventh session D = 64 shifted each field down and converted it byte by byte:
+# 1544 SASS instructions per page of its history loop against 1097 for the sliced D = 128 page
+# of twice the codes (`scripts/count_history_instructions.py`).
 
 
 @triton.jit
 def _slice_layout(s: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """(channel offset, parity, multiplier) of slice s; see the comment above."""
-    if BITS == 2:
+    """(channel offset, parity, multiplier) of slice s; see the comment above (quarter slices: parity 0)."""
+    if D < 128:  # quarter slices; INT4: the first D/4 bytes hold quarters 0 (low) and 2, the next 1 and 3
+        if BITS == 2:
+            offset: tl.constexpr = s * (D // 4)
+            mult: tl.constexpr = 4 ** s
+        else:
+            offset: tl.constexpr = ((s // 2) + (s % 2) * 2) * (D // 4)
+            mult: tl.constexpr = 16 if s % 2 == 1 else 1
+        parity: tl.constexpr = 0
+    elif BITS == 2:
         offset: tl.constexpr = (s % 4) * (D // 4)
         parity: tl.constexpr = s // 4
         mult: tl.constexpr = 4 ** (s % 4)
@@ -232,10 +175,12 @@ def _high_bytes(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _slice_codes(w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+def _slice_codes(w0, w1, h0, h1, s: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Slice s as float16 units, from the word tiles w0 (words [0, D/8)) and w1 (INT4: [D/8, D/4))
-    and their high bytes h0, h1 (`_high_bytes`)."""
-    if BITS == 2:
+    and their high bytes h0, h1 (`_high_bytes`); quarter slices: from the widened byte tiles w0, w1."""
+    if D < 128 and BITS == 4:
+        return _masked_units(w0 if s < 2 else w1, 240 if s % 2 == 1 else 15, ASM)
+    elif BITS == 2:  # quarter slices: s < 4, fields of w0
         return _masked_units(w0 if s < 4 else h0, 3 << (2 * (s % 4)), ASM)
     else:
         if s % 4 >= 2:
@@ -254,14 +199,23 @@ def _slice_high_bits(w0, h0, s: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _page_words(codes_ptr, row0, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Word tiles [P, D/8] int16 of one (page, KV head) from row `row0`: w0 and, for INT4, w1,
-    and their high bytes (see `_slice_codes`)."""
-    U: tl.constexpr = D // 8
-    NW: tl.constexpr = D * BITS // 16
-    src = codes_ptr.to(tl.pointer_type(tl.int16)) + row0 * NW + (tl.arange(0, P) * NW)[:, None] + \
-        tl.arange(0, U)[None, :]
-    w0 = tl.load(src)
-    w1 = tl.load(src + U) if BITS == 4 else w0
-    return w0, w1, _high_bytes(w0, ASM), _high_bytes(w1, ASM) if BITS == 4 else w0
+    and their high bytes (see `_slice_codes`). Quarter slices (D = 64): the byte tiles [P, D/4] widened to
+    int16, w0 and (INT4) w1, returned again in place of the high bytes."""
+    if D < 128:
+        W: tl.constexpr = D // 4
+        ROW_BYTES: tl.constexpr = D * BITS // 8
+        src = codes_ptr + row0 * ROW_BYTES + (tl.arange(0, P) * ROW_BYTES)[:, None] + tl.arange(0, W)[None, :]
+        b0 = tl.load(src).to(tl.int16)
+        b1 = tl.load(src + W).to(tl.int16) if BITS == 4 else b0
+        return b0, b1, b0, b1
+    else:
+        U: tl.constexpr = D // 8
+        NW: tl.constexpr = D * BITS // 16
+        src = codes_ptr.to(tl.pointer_type(tl.int16)) + row0 * NW + (tl.arange(0, P) * NW)[:, None] + \
+            tl.arange(0, U)[None, :]
+        w0 = tl.load(src)
+        w1 = tl.load(src + U) if BITS == 4 else w0
+        return w0, w1, _high_bytes(w0, ASM), _high_bytes(w1, ASM) if BITS == 4 else w0
 
 
 @triton.jit
@@ -269,6 +223,8 @@ def _add_to_group(d0, d1, d2, d3, x, s: tl.constexpr, D: tl.constexpr, NG: tl.co
     """Adds x to d_g, g the group of slice s's channels."""
     if BITS == 2:
         g: tl.constexpr = (s % 4) * NG // 4
+    elif D < 128:  # INT4 quarter slices (`_slice_layout`)
+        g: tl.constexpr = ((s // 2) + (s % 2) * 2) * NG // 4
     else:
         g: tl.constexpr = ((s // 4) + (s % 2) * 2) * NG // 4
     if g == 0:
@@ -288,19 +244,22 @@ def _query_slice(q_ptr, q_row, row_valid, s: tl.constexpr, D: tl.constexpr, BITS
     float16 query times the multiplier (exact: powers of two). Not scaled: the softmax scale joins the
     scores' unit (`_softmax_weights`), so that a bfloat16 query stays exact in float16."""
     offset, parity, mult = _slice_layout(s, D, BITS)
-    cols = 2 * tl.arange(0, D // 8) + parity + offset
+    if D < 128:
+        cols = offset + tl.arange(0, D // 4)
+    else:
+        cols = 2 * tl.arange(0, D // 8) + parity + offset
     q = tl.load(q_ptr + q_row[:, None] * D + cols[None, :], mask=row_valid[:, None], other=0.0)
     q = (q.to(tl.float32) * (1.0 / mult)).to(tl.float16)
     return q, tl.sum(q.to(tl.float32), 1) * mult
 
 
 @triton.jit
-def _slice_scores(qs, qk, w0, w1, h0, h1, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
-                  LLOYD: tl.constexpr, acc=None):
+def _slice_scores(qs, qk, w0, w1, h0, h1, s: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                  ASM: tl.constexpr, LLOYD: tl.constexpr, acc=None):
     """q·c (+ acc) of one slice: [BLOCK_M, P] in units of 2^-24; with LLOYD, q·(c + kappa·b1), qk being
     the slice's query times kappa/2 (its high bits read as 2·b1)."""
     high = tl.trans(_slice_high_bits(w0, h0, s, ASM)) if LLOYD else None
-    return _lloyd_dot(qs, tl.trans(_slice_codes(w0, w1, h0, h1, s, BITS, ASM)), high, qk, acc, LLOYD)
+    return _lloyd_dot(qs, tl.trans(_slice_codes(w0, w1, h0, h1, s, D, BITS, ASM)), high, qk, acc, LLOYD)
 
 
 @triton.jit
@@ -310,36 +269,38 @@ def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, q
     """bias + the [BLOCK_M, P] float32 scores, in units of the dots, against one page of quantized keys (sliced
     path; qsum_g: Σq/unit of group g; qk_s: the slices times kappa/2 for Lloyd–Max levels)."""
     if NG == 1:
-        d = _slice_scores(qs0, qk0, w0, w1, h0, h1, 0, BITS, ASM, LLOYD)
-        d = _slice_scores(qs1, qk1, w0, w1, h0, h1, 1, BITS, ASM, LLOYD, d)
-        d = _slice_scores(qs2, qk2, w0, w1, h0, h1, 2, BITS, ASM, LLOYD, d)
-        d = _slice_scores(qs3, qk3, w0, w1, h0, h1, 3, BITS, ASM, LLOYD, d)
-        d = _slice_scores(qs4, qk4, w0, w1, h0, h1, 4, BITS, ASM, LLOYD, d)
-        d = _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, BITS, ASM, LLOYD, d)
-        d = _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, BITS, ASM, LLOYD, d)
-        d = _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs0, qk0, w0, w1, h0, h1, 0, D, BITS, ASM, LLOYD)
+        d = _slice_scores(qs1, qk1, w0, w1, h0, h1, 1, D, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs2, qk2, w0, w1, h0, h1, 2, D, BITS, ASM, LLOYD, d)
+        d = _slice_scores(qs3, qk3, w0, w1, h0, h1, 3, D, BITS, ASM, LLOYD, d)
+        if D >= 128:
+            d = _slice_scores(qs4, qk4, w0, w1, h0, h1, 4, D, BITS, ASM, LLOYD, d)
+            d = _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, D, BITS, ASM, LLOYD, d)
+            d = _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, D, BITS, ASM, LLOYD, d)
+            d = _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, D, BITS, ASM, LLOYD, d)
         return _group_scores(d, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, bias)
     else:
         d0 = tl.zeros([qs0.shape[0], P], tl.float32)
         d1 = tl.zeros([qs0.shape[0], P], tl.float32)
         d2 = tl.zeros([qs0.shape[0], P], tl.float32)
         d3 = tl.zeros([qs0.shape[0], P], tl.float32)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs0, qk0, w0, w1, h0, h1, 0, BITS, ASM, LLOYD),
-                                       0, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs1, qk1, w0, w1, h0, h1, 1, BITS, ASM, LLOYD),
-                                       1, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs2, qk2, w0, w1, h0, h1, 2, BITS, ASM, LLOYD),
-                                       2, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs3, qk3, w0, w1, h0, h1, 3, BITS, ASM, LLOYD),
-                                       3, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs4, qk4, w0, w1, h0, h1, 4, BITS, ASM, LLOYD),
-                                       4, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, BITS, ASM, LLOYD),
-                                       5, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, BITS, ASM, LLOYD),
-                                       6, D, NG, BITS)
-        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, BITS, ASM, LLOYD),
-                                       7, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs0, qk0, w0, w1, h0, h1, 0, D, BITS, ASM,
+                                                                     LLOYD), 0, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs1, qk1, w0, w1, h0, h1, 1, D, BITS, ASM,
+                                                                     LLOYD), 1, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs2, qk2, w0, w1, h0, h1, 2, D, BITS, ASM,
+                                                                     LLOYD), 2, D, NG, BITS)
+        d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs3, qk3, w0, w1, h0, h1, 3, D, BITS, ASM,
+                                                                     LLOYD), 3, D, NG, BITS)
+        if D >= 128:
+            d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs4, qk4, w0, w1, h0, h1, 4, D, BITS, ASM,
+                                                                     LLOYD), 4, D, NG, BITS)
+            d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, D, BITS, ASM,
+                                                                     LLOYD), 5, D, NG, BITS)
+            d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, D, BITS, ASM,
+                                                                     LLOYD), 6, D, NG, BITS)
+            d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, D, BITS, ASM,
+                                                                     LLOYD), 7, D, NG, BITS)
         s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, bias)
         s = _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1, s)
         if NG == 4:
@@ -355,6 +316,8 @@ def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, wk0, wk1, wk2, wk3, acc,
     times kappa/2, wk_g) · (their high bits)."""
     if BITS == 2:
         g: tl.constexpr = (s % 4) * NG // 4
+    elif D < 128:  # INT4 quarter slices (`_slice_layout`)
+        g: tl.constexpr = ((s // 2) + (s % 2) * 2) * NG // 4
     else:
         g: tl.constexpr = ((s // 4) + (s % 2) * 2) * NG // 4
     if g == 0:
@@ -366,13 +329,14 @@ def _sliced_values(s: tl.constexpr, wz0, wz1, wz2, wz3, wk0, wk1, wk2, wk3, acc,
     else:
         weight, weight_k = wz3, wk3
     high = _slice_high_bits(v0, vh0, s, ASM) if LLOYD else None
-    return _lloyd_dot(weight, _slice_codes(v0, v1, vh0, vh1, s, BITS, ASM), high, weight_k, acc, LLOYD)
+    return _lloyd_dot(weight, _slice_codes(v0, v1, vh0, vh1, s, D, BITS, ASM), high, weight_k, acc, LLOYD)
 
 
 @triton.jit
-def _rescaled(alpha, grew, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, NG: tl.constexpr):
+def _rescaled(alpha, grew, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, NG: tl.constexpr,
+              D: tl.constexpr):
     """The sliced path's sums times alpha where a row's running max grew (`grew`; alpha is exactly 1
-    on the other rows, so the common case skips the work)."""
+    on the other rows, so the common case skips the work); acc4..acc7 only with 8 slices (D >= 128)."""
     if grew:
         z0 *= alpha[:, None]
         if NG >= 2:
@@ -384,10 +348,11 @@ def _rescaled(alpha, grew, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z
         acc1 *= alpha[:, None]
         acc2 *= alpha[:, None]
         acc3 *= alpha[:, None]
-        acc4 *= alpha[:, None]
-        acc5 *= alpha[:, None]
-        acc6 *= alpha[:, None]
-        acc7 *= alpha[:, None]
+        if D >= 128:
+            acc4 *= alpha[:, None]
+            acc5 *= alpha[:, None]
+            acc6 *= alpha[:, None]
+            acc7 *= alpha[:, None]
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
 
 
@@ -420,14 +385,15 @@ def _page_values(p, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, 
                           LLOYD)
     acc3 = _sliced_values(3, w0, w1, w2, w3, k0, k1, k2, k3, acc3, v0, v1, vh0, vh1, D, NG, BITS, ASM,
                           LLOYD)
-    acc4 = _sliced_values(4, w0, w1, w2, w3, k0, k1, k2, k3, acc4, v0, v1, vh0, vh1, D, NG, BITS, ASM,
-                          LLOYD)
-    acc5 = _sliced_values(5, w0, w1, w2, w3, k0, k1, k2, k3, acc5, v0, v1, vh0, vh1, D, NG, BITS, ASM,
-                          LLOYD)
-    acc6 = _sliced_values(6, w0, w1, w2, w3, k0, k1, k2, k3, acc6, v0, v1, vh0, vh1, D, NG, BITS, ASM,
-                          LLOYD)
-    acc7 = _sliced_values(7, w0, w1, w2, w3, k0, k1, k2, k3, acc7, v0, v1, vh0, vh1, D, NG, BITS, ASM,
-                          LLOYD)
+    if D >= 128:  # quarter slices (D = 64) have four
+        acc4 = _sliced_values(4, w0, w1, w2, w3, k0, k1, k2, k3, acc4, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                              LLOYD)
+        acc5 = _sliced_values(5, w0, w1, w2, w3, k0, k1, k2, k3, acc5, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                              LLOYD)
+        acc6 = _sliced_values(6, w0, w1, w2, w3, k0, k1, k2, k3, acc6, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                              LLOYD)
+        acc7 = _sliced_values(7, w0, w1, w2, w3, k0, k1, k2, k3, acc7, v0, v1, vh0, vh1, D, NG, BITS, ASM,
+                              LLOYD)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3
 
 
@@ -440,7 +406,7 @@ def _sliced_history_step(s, m, l, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
     m_new, p, alpha, l = _softmax_weights(s, None, m, l, unit)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
         alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-        z0, z1, z2, z3, NG)
+        z0, z1, z2, z3, NG, D)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _page_values(
         p, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0,
         half_kappa, P, D, NG, BITS, ASM, LLOYD)
@@ -455,6 +421,8 @@ def _slice_output(acc, s: tl.constexpr, z0, z1, z2, z3, unit, D: tl.constexpr, N
     offset, parity, mult = _slice_layout(s, D, BITS)
     if BITS == 2:
         g: tl.constexpr = (s % 4) * NG // 4
+    elif D < 128:  # INT4 quarter slices (`_slice_layout`)
+        g: tl.constexpr = ((s // 2) + (s % 2) * 2) * NG // 4
     else:
         g: tl.constexpr = ((s // 4) + (s % 2) * 2) * NG // 4
     if g == 0:
@@ -477,19 +445,25 @@ def _interleave(even, odd):
 @triton.jit
 def _sliced_quarters(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3, unit,
                      D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr):
-    """The eight slice accumulators as the four output quarters [M, D/4] (plain units)."""
+    """The slice accumulators (eight, or four quarter slices) as the four output quarters [M, D/4] (plain units)."""
     o0 = _slice_output(acc0, 0, z0, z1, z2, z3, unit, D, NG, BITS)
     o1 = _slice_output(acc1, 1, z0, z1, z2, z3, unit, D, NG, BITS)
     o2 = _slice_output(acc2, 2, z0, z1, z2, z3, unit, D, NG, BITS)
     o3 = _slice_output(acc3, 3, z0, z1, z2, z3, unit, D, NG, BITS)
-    o4 = _slice_output(acc4, 4, z0, z1, z2, z3, unit, D, NG, BITS)
-    o5 = _slice_output(acc5, 5, z0, z1, z2, z3, unit, D, NG, BITS)
-    o6 = _slice_output(acc6, 6, z0, z1, z2, z3, unit, D, NG, BITS)
-    o7 = _slice_output(acc7, 7, z0, z1, z2, z3, unit, D, NG, BITS)
-    if BITS == 2:  # slice s: quarter s % 4, parity s // 4
-        return _interleave(o0, o4), _interleave(o1, o5), _interleave(o2, o6), _interleave(o3, o7)
-    else:  # slice s = 4c + p: quarter c + 2·(p % 2), parity p // 2
-        return _interleave(o0, o2), _interleave(o4, o6), _interleave(o1, o3), _interleave(o5, o7)
+    if D < 128:  # quarter slices: INT2 slice s is quarter s; INT4 slices 0..3 are quarters 0, 2, 1, 3
+        if BITS == 2:
+            return o0, o1, o2, o3
+        else:
+            return o0, o2, o1, o3
+    else:
+        o4 = _slice_output(acc4, 4, z0, z1, z2, z3, unit, D, NG, BITS)
+        o5 = _slice_output(acc5, 5, z0, z1, z2, z3, unit, D, NG, BITS)
+        o6 = _slice_output(acc6, 6, z0, z1, z2, z3, unit, D, NG, BITS)
+        o7 = _slice_output(acc7, 7, z0, z1, z2, z3, unit, D, NG, BITS)
+        if BITS == 2:  # slice s: quarter s % 4, parity s // 4
+            return _interleave(o0, o4), _interleave(o1, o5), _interleave(o2, o6), _interleave(o3, o7)
+        else:  # slice s = 4c + p: quarter c + 2·(p % 2), parity p // 2
+            return _interleave(o0, o2), _interleave(o4, o6), _interleave(o1, o3), _interleave(o5, o7)
 
 
 @triton.jit
@@ -508,15 +482,6 @@ def _softmax_weights(s, visible, m, l, unit):
 
 
 @triton.jit
-def _weighted_codes(p, alpha, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr):
-    """Probabilities of group g weighted by the value scales (float16) and the new zero correction
-    corr·alpha + Σ_n p_n·s_n·z_n, computed from the same rounded weights as the dots."""
-    scale, zero = _page_params(vs_ptr, vz_ptr, row0, g, NG, P)
-    weight = (p * scale[None, :]).to(tl.float16)
-    return weight, corr * alpha + tl.sum(weight.to(tl.float32) * zero[None, :], 1)
-
-
-@triton.jit
 def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr):
     """As `_weighted_codes` for the sliced path, with the zero correction on the tensor cores:
     corr [BLOCK_M, 16] += weight · z (z broadcast over 16 columns; every column holds the same
@@ -527,32 +492,6 @@ def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.c
     zero = tl.load(vz_ptr + at)  # float16, as the dot takes it
     weight = (p * scale[None, :]).to(tl.float16)
     return weight, tl.dot(weight, tl.broadcast_to(zero[:, None], (P, 16)), corr)
-
-
-@triton.jit
-def _history_step(s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, kappa, unit,
-                  P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr, LLOYD: tl.constexpr):
-    """Online-softmax step over one page of quantized values (s: scores in units of the dots; unit: the score
-    units, the keys' unit times the softmax scale). The accumulators a_i hold Σ p·s·c in units of 2^-24
-    (LLOYD: Σ p·s·(c + kappa·b1)) and z_g holds Σ p·s·z, so that the output is a·unit - z (the values' unit)."""
-    m_new, p, alpha, l = _softmax_weights(s, visible, m, l, unit)
-    v0, v1, v2, v3, b0, b1, b2, b3 = _page_codes(vc_ptr, row0, P, D, BITS, LLOYD)
-    w0, z0 = _weighted_codes(p, alpha, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
-    if NG == 1:
-        w1, w2, w3 = w0, w0, w0
-        z1, z2, z3 = z0, z0, z0
-    elif NG == 2:
-        w2, z2 = _weighted_codes(p, alpha, z2, vs_ptr, vz_ptr, row0, 1, NG, P)
-        w1, z1, w3, z3 = w0, z0, w2, z2
-    else:
-        w1, z1 = _weighted_codes(p, alpha, z1, vs_ptr, vz_ptr, row0, 1, NG, P)
-        w2, z2 = _weighted_codes(p, alpha, z2, vs_ptr, vz_ptr, row0, 2, NG, P)
-        w3, z3 = _weighted_codes(p, alpha, z3, vs_ptr, vz_ptr, row0, 3, NG, P)
-    a0 = _lloyd_dot(w0, v0, b0, _times(w0, kappa, LLOYD), a0 * alpha[:, None], LLOYD)
-    a1 = _lloyd_dot(w1, v1, b1, _times(w1, kappa, LLOYD), a1 * alpha[:, None], LLOYD)
-    a2 = _lloyd_dot(w2, v2, b2, _times(w2, kappa, LLOYD), a2 * alpha[:, None], LLOYD)
-    a3 = _lloyd_dot(w3, v3, b3, _times(w3, kappa, LLOYD), a3 * alpha[:, None], LLOYD)
-    return m_new, l, a0, a1, a2, a3, z0, z1, z2, z3
 
 
 @triton.jit
@@ -743,7 +682,6 @@ def _paged_attention_kernel(
     G: tl.constexpr = HQ // HKV
     W: tl.constexpr = D // 4
     C: tl.constexpr = R + P
-    SLICED: tl.constexpr = D >= 128  # the sliced history path needs D/8 >= 16 (the smallest dot)
     slot, old, start, count = _sequence(b, slots_ptr, cu_ptr, len_ptr)
     if m_block * BLOCK_M >= count * G:
         if OVERLAP == 2:
@@ -782,15 +720,11 @@ def _paged_attention_kernel(
     hist_limit = tl.minimum(old, end_new)
     history_pages = tl.cdiv(tl.maximum(hist_limit - S, 0), P)
     PAGE_SPLITS: tl.constexpr = NUM_SPLITS - WS if NUM_SPLITS > 1 else 1
-    if has_history and SLICED:
+    if has_history:  # the sliced path: eight slices of D/8 channels, or four quarter slices of D/4 (D = 64)
         qs0, qsum0 = _query_slice(q_ptr, q_row, row_valid, 0, D, K_BITS)
         qs1, qsum1 = _query_slice(q_ptr, q_row, row_valid, 1, D, K_BITS)
         qs2, qsum2 = _query_slice(q_ptr, q_row, row_valid, 2, D, K_BITS)
         qs3, qsum3 = _query_slice(q_ptr, q_row, row_valid, 3, D, K_BITS)
-        qs4, qsum4 = _query_slice(q_ptr, q_row, row_valid, 4, D, K_BITS)
-        qs5, qsum5 = _query_slice(q_ptr, q_row, row_valid, 5, D, K_BITS)
-        qs6, qsum6 = _query_slice(q_ptr, q_row, row_valid, 6, D, K_BITS)
-        qs7, qsum7 = _query_slice(q_ptr, q_row, row_valid, 7, D, K_BITS)
         g0 = tl.zeros([BLOCK_M], tl.float32)  # query sums per group, for the zero points
         g1 = tl.zeros([BLOCK_M], tl.float32)
         g2 = tl.zeros([BLOCK_M], tl.float32)
@@ -799,10 +733,17 @@ def _paged_attention_kernel(
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum1, 1, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum2, 2, D, NG, K_BITS)
         g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum3, 3, D, NG, K_BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum4, 4, D, NG, K_BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, K_BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, K_BITS)
-        g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, K_BITS)
+        if D >= 128:
+            qs4, qsum4 = _query_slice(q_ptr, q_row, row_valid, 4, D, K_BITS)
+            qs5, qsum5 = _query_slice(q_ptr, q_row, row_valid, 5, D, K_BITS)
+            qs6, qsum6 = _query_slice(q_ptr, q_row, row_valid, 6, D, K_BITS)
+            qs7, qsum7 = _query_slice(q_ptr, q_row, row_valid, 7, D, K_BITS)
+            g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum4, 4, D, NG, K_BITS)
+            g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum5, 5, D, NG, K_BITS)
+            g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum6, 6, D, NG, K_BITS)
+            g0, g1, g2, g3 = _add_to_group(g0, g1, g2, g3, qsum7, 7, D, NG, K_BITS)
+        else:  # placeholders: quarter slices never read them
+            qs4, qs5, qs6, qs7 = qs0, qs0, qs0, qs0
         k_units = _unit(k_unit, K_LLOYD)  # the scores stay in units of the dots (see `_group_scores`)
         score_units = k_units * qk_scale  # and the queries unscaled
         g0 = g0 / k_units
@@ -817,7 +758,7 @@ def _paged_attention_kernel(
         qk5 = _times(qs5, k_kappa * 0.5, K_LLOYD)
         qk6 = _times(qs6, k_kappa * 0.5, K_LLOYD)
         qk7 = _times(qs7, k_kappa * 0.5, K_LLOYD)
-        U: tl.constexpr = D // 8
+        U: tl.constexpr = D // 8 if D >= 128 else D // 4  # channels per slice
         acc0 = tl.zeros([BLOCK_M, U], tl.float32)
         acc1 = tl.zeros([BLOCK_M, U], tl.float32)
         acc2 = tl.zeros([BLOCK_M, U], tl.float32)
@@ -853,7 +794,7 @@ def _paged_attention_kernel(
                 m_new, p, alpha, l = _softmax_weights(s, None, m, l, score_units)
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, z3 = _rescaled(
                     alpha, tl.max((m_new > m).to(tl.int32), 0) > 0, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
-                    acc7, z0, z1, z2, z3, NG)
+                    acc7, z0, z1, z2, z3, NG, D)
                 m = m_new
                 for a in tl.static_range(ROW_GROUPS):
                     row0, page_ok = _page_row(bt_row, base + a, hi, num_pages, h, HKV, P, True)
@@ -877,52 +818,6 @@ def _paged_attention_kernel(
         if ROW_GROUPS > 1:
             m, l, a0, a1, a2, a3 = _merge_row_groups(m, l, a0, a1, a2, a3, G, BLOCK_M)
             row_valid = r < count * G  # row i < G holds query head h·G + i; the copies are not stored
-    elif has_history:
-        # Sums of the rounded query quarters over unit, for the zero points (see `_group_scores`).
-        k_units = _unit(k_unit, K_LLOYD)
-        score_units = k_units * qk_scale  # the queries are unscaled
-        qs0 = tl.sum(q0.to(tl.float32), 1) / k_units
-        qs1 = tl.sum(q1.to(tl.float32), 1) / k_units
-        qs2 = tl.sum(q2.to(tl.float32), 1) / k_units
-        qs3 = tl.sum(q3.to(tl.float32), 1) / k_units
-        qk0 = _times(q0, k_kappa, K_LLOYD)
-        qk1 = _times(q1, k_kappa, K_LLOYD)
-        qk2 = _times(q2, k_kappa, K_LLOYD)
-        qk3 = _times(q3, k_kappa, K_LLOYD)
-        z0 = tl.zeros([BLOCK_M], tl.float32)
-        z1 = tl.zeros([BLOCK_M], tl.float32)
-        z2 = tl.zeros([BLOCK_M], tl.float32)
-        z3 = tl.zeros([BLOCK_M], tl.float32)
-        share = tl.cdiv(history_pages, PAGE_SPLITS)
-        lo = history_split * share
-        hi = tl.minimum(lo + share, history_pages)
-        if window > 0:  # pages wholly before the window of the first query row are skipped
-            lo = tl.maximum(lo, tl.maximum(old + m_block * BLOCK_M // G - window + 1 - S, 0) // P)
-        bt_row = bt_ptr + slot.to(tl.int64) * bt_stride
-        KEYS: tl.constexpr = BLOCK_N if BLOCK_N < P else P  # keys per step: a page or a part of one
-        PARTS: tl.constexpr = P // KEYS
-        for index in range(lo * PARTS, hi * PARTS):
-            page = tl.load(bt_row + index // PARTS)
-            page_ok = (page >= 0) & (page < num_pages)
-            row0 = (tl.where(page_ok, page, 0).to(tl.int64) * HKV + h) * P + (index % PARTS) * KEYS
-            s = _history_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, qk0, qk1, qk2, qk3, kc_ptr, ks_ptr, kz_ptr, row0,
-                                KEYS, D, NG, K_BITS, K_LLOYD)
-            if KEY_SHIFTS:
-                s += _score_shift(shift_ptr, num_blocks, q_row, row_valid, index // PARTS, S, P,
-                                  SHIFT_BLOCK)[:, None] / score_units
-            hist_pos = S + index * KEYS + tl.arange(0, KEYS)
-            visible = page_ok & row_valid[:, None] & (hist_pos < hist_limit)[None, :]
-            if window > 0:
-                visible = visible & (query_pos[:, None] - hist_pos[None, :] < window)
-            m, l, a0, a1, a2, a3, z0, z1, z2, z3 = _history_step(
-                s, visible, m, l, a0, a1, a2, a3, z0, z1, z2, z3, vc_ptr, vs_ptr, vz_ptr, row0, v_kappa, score_units,
-                KEYS, D, NG, V_BITS, V_LLOYD)
-        # Back to plain units for the full-precision regions below and the output.
-        v_units = _unit(v_unit, V_LLOYD)
-        a0 = a0 * v_units - z0[:, None]
-        a1 = a1 * v_units - z1[:, None]
-        a2 = a2 * v_units - z2[:, None]
-        a3 = a3 * v_units - z3[:, None]
 
     if split < WS and REGIONS != 1:
         head_row = slot.to(tl.int64) * HKV + h
@@ -1040,7 +935,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     the two read nothing the other writes; it waits for the first before it ends. The combine
     starts early and waits for both. Without it each launch waits for the one before.
 
-    row_groups (decode history launch, D >= 128; `ops.choose_row_groups`): pages per softmax step, each
+    row_groups (decode history launch; `ops.choose_row_groups`): pages per softmax step, each
     read by its own copy of the query heads (see ROW_GROUPS in the kernel); 1 where they do not fit
     the block's rows.
 
@@ -1088,7 +983,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     if num_splits > 1 and separate_windows:
         ws = shape["WINDOW_SPLITS"]
         registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and register_cap_supported() else {}
-        grouped = row_groups if batch.max_new == 1 and d >= 128 and row_groups * group <= block_m else 1
+        grouped = row_groups if batch.max_new == 1 and row_groups * group <= block_m else 1
         history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
                    dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))
         windows = ((b * lay.kv_heads, m_blocks, ws),
