@@ -485,6 +485,14 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     # programs than multiprocessors (Qwen3 2x500: 16 pairs x 16): the small-batch rule's 4 four-warp programs
     for batch, context in ((1, 2000), (4, 500), (2, 500)):
         assert plan(batch, splits(batch, context), context) == ops.WindowPlan(4), (batch, context)
+    # head_dim 64 beyond 2 pairs per multiprocessor (SmolLM2 89x4K: 267 pairs): one two-warp window program of
+    # 32-key blocks; 88x4K and Qwen3 shapes keep theirs
+    for model, batch, heads, expected in ((small, 89, 9, ops.LARGE_BATCH_WINDOW_PLAN_D64),
+                                          (small, 256, 9, ops.LARGE_BATCH_WINDOW_PLAN_D64),
+                                          (small, 88, 9, ops.WindowPlan(2)), (layer, 256, 32, ops.WindowPlan(1))):
+        total = ops.choose_splits(model, batch, 1, heads, 4000, torch.device("cpu"))
+        assert ops.window_plan(model, batch, 1, heads, total, 4000, torch.device("cpu")) == expected, batch
+    assert ops.LARGE_BATCH_WINDOW_PLAN_D64 == ops.WindowPlan(1, warps=2, block_n=32)
 
 
 def test_history_programs_take_one_warp_from_one_per_multiprocessor(monkeypatch):
@@ -573,12 +581,13 @@ def test_decode_windows_shared_by_several_splits():
 
 
 @pytest.mark.parametrize("window_splits,window,head_dim,warps,block_n", [
-    (5, 0, 128, 1, 16), (3, 150, 128, 1, 16), (16, 0, 64, 1, 16)])
+    (5, 0, 128, 1, 16), (3, 150, 128, 1, 16), (16, 0, 64, 1, 16), (1, 0, 64, 2, 32)])
 def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, head_dim, warps, block_n):
     """One-warp window programs read 16-key blocks: the 64-token sink's four blocks go round the window
     splits with the ring's (5 splits: one takes no sink block; 16 splits, as few history programs take them:
     twelve take none), the combine merges 32 channels per program; with a sliding window that starts inside
-    the ring; then a short chunk in the fused kernel with the same plan. The prompts go through the
+    the ring; then a short chunk in the fused kernel with the same plan. Head_dim 64 at large batches: one
+    two-warp program of 32-key blocks, which reads the sink's two blocks itself. The prompts go through the
     dequantizing extend path, which is cheaper in the CPU interpreter."""
     from oscarkv.kernels.ops import COMBINE_CHANNELS, WindowPlan
 
