@@ -156,6 +156,17 @@ def test_quant_config_validates(kwargs):
         QuantConfig(**kwargs)
 
 
+def test_default_group_size_divides_any_head_dim():
+    """The default group is the largest power of two up to 128 that divides head_dim, so a head_dim the OSCAR
+    rotations refuse (96) fails there, naming the head_dim, not on a group size the user never chose."""
+    from oscarkv.errors import UnsupportedModelError
+
+    assert [QuantConfig.for_head_dim(d).group_size for d in (64, 128, 256, 96, 80)] == [64, 128, 128, 32, 16]
+    assert QuantConfig.for_head_dim(96, group_size=16).group_size == 16
+    with pytest.raises(UnsupportedModelError, match="head_dim=6: no group size of 4 or more divides it"):
+        QuantConfig.for_head_dim(6)
+
+
 def test_layers_bits_per_element_weighs_what_each_layer_holds():
     from oscarkv.quant import layers_bits_per_element
 

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 import torch
 
-from .errors import OscarError
+from .errors import OscarError, UnsupportedModelError
 
 SCALE_DTYPES = (torch.float16, torch.float32)
 KEY_GROUPINGS = ("token", "channel")
@@ -51,8 +51,18 @@ class QuantConfig:
 
     @classmethod
     def for_head_dim(cls, head_dim: int, **overrides) -> QuantConfig:
-        """The defaults, with the group size capped at head_dim (e.g. 64 for SmolLM2)."""
-        overrides.setdefault("group_size", min(cls.group_size, head_dim))
+        """The defaults, with the group size the largest power of two up to the default (128) that divides
+        head_dim: 64 for SmolLM2, 32 for a head_dim of 96 (which only the INT2 methods without a Hadamard factor
+        and the reference cache take)."""
+        if "group_size" not in overrides:
+            group = cls.group_size
+            while group >= 4 and head_dim % group:
+                group //= 2
+            if group < 4:
+                raise UnsupportedModelError(f"head_dim={head_dim}: no group size of 4 or more divides it, so its "
+                                            "history cannot be quantized in groups; use a model with head_dim 64, "
+                                            "128 or 256.")
+            overrides["group_size"] = group
         return cls(**overrides)
 
     def check_head_dim(self, head_dim: int) -> None:
