@@ -1,12 +1,13 @@
 """Developer tool (no GPU needed): count the SASS instructions of the decode kernel's history loop.
 
 Compiles `_paged_attention_kernel` for the history launch (REGIONS=1) of the benchmark shape
-(32 query / 8 KV heads, D = 128, group 128, INT2, one warp; or SmolLM2's, `--head-dim 64`) down to an sm_90 cubin with the ptxas of
-the installed Triton, disassembles it with Triton's nvdisasm, and counts the instructions between
-the history loop's label and its backward branch, by opcode. Pointer arguments get the 16-byte
+(32 query / 8 KV heads, D = 128, group 128, INT2, one warp; or SmolLM2's, `--head-dim 64`) down to an
+sm_90 cubin with the ptxas of the installed Triton, disassembles it with Triton's nvdisasm, and counts the
+instructions between the history loop's label and its backward branch, by opcode. Pointer arguments get the 16-byte
 divisibility that the JIT gives real tensors, so the loads vectorise as they do on the GPU.
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/count_history_instructions.py [--stages 3] [--maxnreg N] [--row-groups 2]
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/count_history_instructions.py [--stages 3] [--maxnreg N] [--row-groups 2] \
+        [--head-dim 64]
 
 The count is static: both sides of a branch inside the loop are counted (the sliding-window mask
 and the rare rescale of the accumulators); the branches are listed so they can be subtracted.
@@ -38,7 +39,8 @@ HEADS = {128: (32, 8), 64: (9, 3)}
 
 def compile_history_kernel(stages: int, maxnreg: int | None, row_groups: int = 1, head_dim: int = 128) -> bytes:
     hq, hkv = HEADS[head_dim]
-    constexprs = dict(HQ=hq, HKV=hkv, D=head_dim, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256, NUM_SPLITS=17, BLOCK_M=16,
+    constexprs = dict(HQ=hq, HKV=hkv, D=head_dim, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256, NUM_SPLITS=17,
+                      BLOCK_M=16,
                       BLOCK_N=64, SINK_BLOCK=64, ASM=True, REGIONS=1, WINDOW_SPLITS=4, KEY_SHIFTS=False,
                       SHIFT_BLOCK=1024, OVERLAP=1, K_LLOYD=False, V_LLOYD=False, PART_PAGE=False)
     constexprs["ROW_GROUPS"] = row_groups
@@ -85,7 +87,8 @@ def main() -> None:
     labels, loops = loop_spans(sass)
     start, end = max(loops, key=lambda span: span[1] - span[0])  # the history loop is the largest
     ops = count(sass[start:end + 1])
-    print(f"Triton {triton.__version__}, sm_90, head_dim {args.head_dim}, {args.stages} stages, maxnreg {args.maxnreg}, "
+    print(f"Triton {triton.__version__}, sm_90, head_dim {args.head_dim}, {args.stages} stages, "
+          f"maxnreg {args.maxnreg}, "
           f"{args.row_groups} row group(s): the loop reads {args.row_groups} page(s) per iteration")
     print("registers:", re.search(r"REG:(\d+)", usage).group(1))
     print("history loop instructions:", sum(ops.values()))

@@ -19,9 +19,9 @@ queries/probabilities and float32 accumulation. Each token's scale s and zero z 
 to the small score tile (s·2^24·(q·c) - s·z·Σq) and folded into the probabilities for the
 values (Σ p·s·c·2^24 - Σ p·s·z), never to the [tokens, D] tiles. For D >= 128 the history
 is read as int16 words and split into eight "slices" with one 32-bit AND per pair of words
-(see the comment above `_slice_layout`); D = 64 widens the bytes to 16-bit lanes once and takes
-four "quarter slices" with the same AND. The online softmax works in base 2 with the softmax scale folded into the
-queries. With key shifts (key_centering="rope") each history page's scores get the term
+(see the comment above `_slice_layout`); D = 64 widens the bytes to 16-bit lanes once and
+takes four "quarter slices" with the same AND. The online softmax works in base 2 with the
+softmax scale folded into the queries. With key shifts (key_centering="rope") each history page's scores get the term
 q·shift of its block, computed once per step by `_score_shift_kernel`. INT2 streams with
 Lloyd–Max levels (`quant.format`) add one high-bit dot per code tile (`_lloyd_dot`).
 """
@@ -180,7 +180,7 @@ def _slice_codes(w0, w1, h0, h1, s: tl.constexpr, D: tl.constexpr, BITS: tl.cons
     and their high bytes h0, h1 (`_high_bytes`); quarter slices: from the widened byte tiles w0, w1."""
     if D < 128 and BITS == 4:
         return _masked_units(w0 if s < 2 else w1, 240 if s % 2 == 1 else 15, ASM)
-    elif BITS == 2:  # quarter slices: s < 4, fields of w0
+    elif BITS == 2:  # slices 0-3 are fields of w0 (both layouts), 4-7 of the high bytes h0
         return _masked_units(w0 if s < 4 else h0, 3 << (2 * (s % 4)), ASM)
     else:
         if s % 4 >= 2:
@@ -294,13 +294,13 @@ def _sliced_scores(qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, qk0, qk1, qk2, qk3, q
                                                                      LLOYD), 3, D, NG, BITS)
         if D >= 128:
             d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs4, qk4, w0, w1, h0, h1, 4, D, BITS, ASM,
-                                                                     LLOYD), 4, D, NG, BITS)
+                                                                         LLOYD), 4, D, NG, BITS)
             d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs5, qk5, w0, w1, h0, h1, 5, D, BITS, ASM,
-                                                                     LLOYD), 5, D, NG, BITS)
+                                                                         LLOYD), 5, D, NG, BITS)
             d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs6, qk6, w0, w1, h0, h1, 6, D, BITS, ASM,
-                                                                     LLOYD), 6, D, NG, BITS)
+                                                                         LLOYD), 6, D, NG, BITS)
             d0, d1, d2, d3 = _add_to_group(d0, d1, d2, d3, _slice_scores(qs7, qk7, w0, w1, h0, h1, 7, D, BITS, ASM,
-                                                                     LLOYD), 7, D, NG, BITS)
+                                                                         LLOYD), 7, D, NG, BITS)
         s = _group_scores(d0, ks_ptr, kz_ptr, row0, 0, NG, P, qsum0, bias)
         s = _group_scores(d1, ks_ptr, kz_ptr, row0, 1, NG, P, qsum1, s)
         if NG == 4:
