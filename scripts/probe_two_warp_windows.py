@@ -1,0 +1,106 @@
+"""Developer tool (GPU): the head_dim-64 window rule for large batches (`ops._two_warp_windows`, forty-seventh
+session: one two-warp window program of 32-key blocks per (sequence, KV head) beyond 2 pairs per multiprocessor)
+against the plan before it, alternating in one process; and the same plan at Qwen3 shapes, where it is not taken.
+
+    PYTHONPATH=src python scripts/probe_two_warp_windows.py [layer] [model] [qwen]
+
+`layer`: one layer of SmolLM2's shape (9 query / 3 KV heads, head_dim 64) at batches beyond 88 (the rule's range
+on 132 multiprocessors) and several contexts, with each plan's max abs error against the torch reference.
+`model`: whole random SmolLM2-135M INT2 steps, BF16 once. `qwen`: one layer of Qwen3's shape (32 / 8, head_dim
+128) beyond 2 pairs per multiprocessor, with the shipped plan and with the two-warp windows.
+
+Written in the forty-seventh session after its device time was spent: not yet run.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from oscarkv.benchmarks.attention import _time_us, decode_case
+from oscarkv.kernels import ops, reference
+
+ORIG_RULE = ops._two_warp_windows
+
+
+def use(old: bool) -> None:
+    """The plan before the rule (old: four-warp windows of 64-key blocks) or the shipped one."""
+    ops._two_warp_windows = (lambda layer, programs, sms: False) if old else ORIG_RULE
+
+
+def step_fn(case, hq, d, ctx, plan=None):
+    dev = torch.device("cuda")
+    b = case.q.shape[0]
+    splits = ops.choose_splits(case.layer, b, 1, hq, ctx, dev)
+    out = torch.empty_like(case.q)
+    ws = (torch.empty(b, hq, splits, d, dtype=torch.float32, device=dev),
+          torch.empty(b, hq, splits, dtype=torch.float32, device=dev))
+
+    def step():
+        ops.attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, d ** -0.5, num_splits=splits,
+                        max_context=ctx, out=out, workspace=ws, validate=False, window_splits=plan)
+    return step, out
+
+
+def layer_ab(shapes, hq, hkv, d):
+    for b, ctx in shapes:
+        case = decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=d)
+        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, d ** -0.5, 0)
+        res, errs = {"old": [], "new": []}, {}
+        for old in (True, False, True, False):
+            use(old)
+            step, out = step_fn(case, hq, d, ctx)
+            step()
+            errs["old" if old else "new"] = (out.float() - ref.float()).abs().max().item()
+            res["old" if old else "new"].append(_time_us(step))
+        use(False)
+        o, n = min(res["old"]), min(res["new"])
+        print(f"LAYER D{d} {b}x{ctx}: before {o:6.1f} after {n:6.1f} us ({o / n:.2f}x); max err before "
+              f"{errs['old']:.2e} after {errs['new']:.2e}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def qwen():
+    """Qwen3 shapes: the shipped plan against two-warp windows (not taken there)."""
+    for b, ctx in ((128, 4000), (256, 4000), (128, 8000), (96, 32000)):
+        case = decode_case(b, ctx)
+        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, 0)
+        line = []
+        for name, plan in (("shipped", None), ("two-warp", ops.LARGE_BATCH_WINDOW_PLAN_D64)):
+            step, out = step_fn(case, 32, 128, ctx, plan)
+            step()
+            err = (out.float() - ref.float()).abs().max().item()
+            line.append(f"{name} {min(_time_us(step), _time_us(step)):6.1f} us (err {err:.1e})")
+        print(f"QWEN {b}x{ctx}: " + " | ".join(line), flush=True)
+        torch.cuda.empty_cache()
+
+
+def model_ab():
+    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
+    from oscarkv.benchmarks.decode import decode_run, weight_bytes
+    from oscarkv.models import load_model
+    bw = copy_bandwidth_gbs(torch.device("cuda"))
+    model, _ = load_model("random:smollm2-135m", device="cuda", dtype=torch.bfloat16)
+    w = weight_bytes(model)
+    for b, ctx in ((128, 4000), (256, 4000), (256, 1000), (128, 16000)):
+        bf = decode_run(model, "bf16", b, ctx, 32, w, bw).step_ms
+        t = {"old": [], "new": []}
+        for _ in range(2):
+            for old in (True, False):
+                use(old)
+                t["old" if old else "new"].append(decode_run(model, "int2", b, ctx, 32, w, bw).step_ms)
+        use(False)
+        o, n = min(t["old"]), min(t["new"])
+        print(f"MODEL smollm2 {b}x{ctx}: bf16 {bf:.4f} int2 before {o:.4f} after {n:.4f} ms (before/after "
+              f"{o / n:.3f}; INT2/BF16 speed {bf / o:.2f}x -> {bf / n:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), flush=True)
+    if "layer" in sys.argv:
+        layer_ab(((89, 4000), (128, 1000), (128, 4000), (256, 4000), (256, 500), (128, 16000), (512, 2000)),
+                 9, 3, 64)
+    if "qwen" in sys.argv:
+        qwen()
+    if "model" in sys.argv:
+        model_ab()
