@@ -599,12 +599,14 @@ def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, h
            extend=["dequantize", "auto", "auto", "fused"])
 
 
-@pytest.mark.parametrize("page,options", [(16, {}), (16, dict(shift_block=32, per_head_rotation=True)), (64, {})])
+@pytest.mark.parametrize("page,options", [(16, {}), (16, dict(shift_block=32, per_head_rotation=True)), (64, {}),
+                                          (128, dict(num_splits=3))])
 def test_decode_flush_in_the_write_launch_matches_reference(page, options):
     """Decode steps (one new token at most per sequence) run the flush and the write as one launch,
     with flush programs for one page (one 16-token block at page 16, four at page 64). The first
     and third prompts end one token before a page ages out of the ring (sink + recent + page·n - 1);
-    the second takes no token, so its programs find nothing to do; the step after flushes nothing."""
+    the second takes no token, so its programs find nothing to do; the step after flushes nothing.
+    Pages of 128 tokens: the history's [16, 128] tiles, read over two history splits."""
     layout = PagedLayout(kv_heads=2, head_dim=64, group_size=64, **dict(SMALL, page_size=page))
     edge = SMALL["sink_tokens"] + SMALL["recent_tokens"] + page - 1
     _drive(layout, 4, [[edge, 40, edge + page], [1, 0, 1], [1, 1, 1]], **options)
