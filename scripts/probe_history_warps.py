@@ -91,28 +91,10 @@ def layer_ab():
 
 
 def model_ab():
-    from oscarkv.benchmarks.decode import decode_run, weight_bytes
-    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
-    from oscarkv.models import load_model
-    bw = copy_bandwidth_gbs(torch.device("cuda"))
-    for name, runs in (("random:smollm2-135m", ((1, 500), (1, 1000), (1, 2000), (1, 4000), (1, 7900), (4, 1000),
-                                                (8, 500))),
-                       ("random:qwen3-4b", ((1, 500), (1, 1000), (1, 2000), (4, 500)))):
-        model, _ = load_model(name, device="cuda", dtype=torch.bfloat16)
-        w = weight_bytes(model)
-        for b, ctx in runs:
-            bf = decode_run(model, "bf16", b, ctx, 48, w, bw).step_ms
-            t = {"old": [], "new": []}
-            for rep in range(2):
-                for old in (True, False):
-                    use(old)
-                    t["old" if old else "new"].append(decode_run(model, "int2", b, ctx, 48, w, bw).step_ms)
-            use(False)
-            o, n = min(t["old"]), min(t["new"])
-            print(f"MODEL {name} {b}x{ctx}: bf16 {bf:.4f} int2 old {o:.4f} new {n:.4f} ms "
-                  f"(old/new {o / n:.3f}; bf16/int2 {bf / o:.2f} -> {bf / n:.2f}) runs {t}", flush=True)
-        del model
-        torch.cuda.empty_cache()
+    from ab_decode import model_ab as alternate
+    alternate("random:smollm2-135m", ((1, 500), (1, 1000), (1, 2000), (1, 4000), (1, 7900), (4, 1000), (8, 500)),
+              use, steps=48)
+    alternate("random:qwen3-4b", ((1, 500), (1, 1000), (1, 2000), (4, 500)), use, steps=48)
 
 
 def call(case, hq, d, num_warps=None, plan=None):

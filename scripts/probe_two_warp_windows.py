@@ -76,23 +76,8 @@ def qwen():
 
 
 def model_ab():
-    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
-    from oscarkv.benchmarks.decode import decode_run, weight_bytes
-    from oscarkv.models import load_model
-    bw = copy_bandwidth_gbs(torch.device("cuda"))
-    model, _ = load_model("random:smollm2-135m", device="cuda", dtype=torch.bfloat16)
-    w = weight_bytes(model)
-    for b, ctx in ((128, 4000), (256, 4000), (256, 1000), (128, 16000)):
-        bf = decode_run(model, "bf16", b, ctx, 32, w, bw).step_ms
-        t = {"old": [], "new": []}
-        for _ in range(2):
-            for old in (True, False):
-                use(old)
-                t["old" if old else "new"].append(decode_run(model, "int2", b, ctx, 32, w, bw).step_ms)
-        use(False)
-        o, n = min(t["old"]), min(t["new"])
-        print(f"MODEL smollm2 {b}x{ctx}: bf16 {bf:.4f} int2 before {o:.4f} after {n:.4f} ms (before/after "
-              f"{o / n:.3f}; INT2/BF16 speed {bf / o:.2f}x -> {bf / n:.2f}x)", flush=True)
+    from ab_decode import model_ab as alternate
+    alternate("random:smollm2-135m", ((128, 4000), (256, 4000), (256, 1000), (128, 16000)), use)
 
 
 if __name__ == "__main__":
