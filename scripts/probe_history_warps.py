@@ -20,7 +20,7 @@ import sys
 import torch
 
 from oscarkv.benchmarks.attention import _time_us, decode_case
-from oscarkv.kernels import ops, reference, triton_attention as ta
+from oscarkv.kernels import ops, triton_attention as ta
 from oscarkv.kernels.ops import (COMBINE_CHANNELS, WindowPlan, choose_row_groups, choose_splits, history_registers,
                                  window_plan)
 
@@ -57,36 +57,14 @@ def use(old: bool) -> None:
 
 
 def layer_ab():
-    dev = torch.device("cuda")
+    from ab_decode import layer_ab as alternate
     for shape, runs in (("smol", ((1, 500), (1, 1000), (1, 2000), (1, 4000), (1, 8000), (2, 1000), (2, 2000),
                                   (4, 1000), (8, 500), (8, 1000), (1, 32000))),
                         ("qwen", ((1, 500), (1, 1000), (1, 2000), (1, 4000), (2, 1000), (4, 500), (8, 500),
                                   (1, 32000)))):
         hq, hkv, d, g = SHAPES[shape]
         for b, ctx in runs:
-            case = decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=g)
-            ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, d ** -0.5, 0)
-            res, errs = {}, {}
-            for old in (True, False, True, False):
-                use(old)
-                splits = ops.choose_splits(case.layer, b, 1, hq, ctx, dev)
-                plan = ops.window_plan(case.layer, b, 1, hq, splits, ctx, dev)
-                out = torch.empty_like(case.q)
-                ws = (torch.empty(b, hq, splits, d, dtype=torch.float32, device=dev),
-                      torch.empty(b, hq, splits, dtype=torch.float32, device=dev))
-
-                def step(case=case, splits=splits, out=out, ws=ws):
-                    ops.attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, d ** -0.5,
-                                    num_splits=splits, max_context=ctx, out=out, workspace=ws, validate=False)
-                step()
-                errs["old" if old else "new"] = (out.float() - ref.float()).abs().max().item()
-                res.setdefault("old" if old else "new", []).append(_time_us(step))
-                res.setdefault("plan" + ("old" if old else "new"), (splits, plan))
-            use(False)
-            print(f"LAYER {shape} {b}x{ctx}: old {min(res['old']):6.1f} new {min(res['new']):6.1f} us "
-                  f"(ratio {min(res['old']) / min(res['new']):.2f}); plans {res['planold']} -> {res['plannew']}; "
-                  f"max err old {errs['old']:.2e} new {errs['new']:.2e}", flush=True)
-            del case
+            alternate(decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=g), hq, ctx, use, shape)
             torch.cuda.empty_cache()
 
 

@@ -28,29 +28,10 @@ def use(old: bool) -> None:
 
 
 def layer_ab():
-    dev = torch.device("cuda")
+    from ab_decode import layer_ab as alternate
     for b, ctx in ((1, 1000), (1, 4000), (1, 32000), (8, 4000), (32, 4000), (128, 4000), (256, 4000), (64, 8000),
                    (16, 2000)):
-        case = decode_case(b, ctx, query_heads=HQ, kv_heads=HKV, head_dim=D, group=G)
-        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, D ** -0.5, 0)
-        splits = ops.choose_splits(case.layer, b, 1, HQ, ctx, dev)
-        out = torch.empty_like(case.q)
-        ws = (torch.empty(b, HQ, splits, D, dtype=torch.float32, device=dev),
-              torch.empty(b, HQ, splits, dtype=torch.float32, device=dev))
-
-        def step(case=case, splits=splits, out=out, ws=ws):
-            ops.attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, D ** -0.5, num_splits=splits,
-                            max_context=ctx, out=out, workspace=ws, validate=False)
-        res, errs = {"old": [], "new": []}, {}
-        for old in (True, False, True, False):
-            use(old)
-            step()
-            errs["old" if old else "new"] = (out.float() - ref.float()).abs().max().item()
-            res["old" if old else "new"].append(_time_us(step))
-        use(False)
-        o, n = min(res["old"]), min(res["new"])
-        print(f"LAYER {b}x{ctx}: before {o:6.1f} after {n:6.1f} us ({o / n:.2f}x); max err before "
-              f"{errs['old']:.2e} after {errs['new']:.2e}", flush=True)
+        alternate(decode_case(b, ctx, query_heads=HQ, kv_heads=HKV, head_dim=D, group=G), HQ, ctx, use, "smol")
         torch.cuda.empty_cache()
 
 

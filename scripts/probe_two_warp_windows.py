@@ -43,20 +43,9 @@ def step_fn(case, hq, d, ctx, plan=None):
 
 
 def layer_ab(shapes, hq, hkv, d):
+    from ab_decode import layer_ab as alternate
     for b, ctx in shapes:
-        case = decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=d)
-        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, d ** -0.5, 0)
-        res, errs = {"old": [], "new": []}, {}
-        for old in (True, False, True, False):
-            use(old)
-            step, out = step_fn(case, hq, d, ctx)
-            step()
-            errs["old" if old else "new"] = (out.float() - ref.float()).abs().max().item()
-            res["old" if old else "new"].append(_time_us(step))
-        use(False)
-        o, n = min(res["old"]), min(res["new"])
-        print(f"LAYER D{d} {b}x{ctx}: before {o:6.1f} after {n:6.1f} us ({o / n:.2f}x); max err before "
-              f"{errs['old']:.2e} after {errs['new']:.2e}", flush=True)
+        alternate(decode_case(b, ctx, query_heads=hq, kv_heads=hkv, head_dim=d, group=d), hq, ctx, use, f"D{d}")
         torch.cuda.empty_cache()
 
 
