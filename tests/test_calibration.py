@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import transformers
 
 from oscarkv import QuantConfig
 from oscarkv.calibration.calibrate import CalibrationConfig, calibrate
@@ -111,6 +112,21 @@ def test_head_dim_not_a_power_of_two_is_refused():
     model = tiny_model("llama", head_dim=24)
     with pytest.raises(UnsupportedModelError, match="head_dim=24 is not a power of two"):
         calibrate(model, _tokens(200), QuantConfig(group_size=8), CONFIG, show_progress=False)
+
+
+def test_head_dim_96_runs_naive_int2_and_refuses_the_rotations_clearly():
+    """A head_dim of 96 takes the default group 32 (`QuantConfig.for_head_dim`): INT2 without a rotation runs
+    through `patch` and generates; the Hadamard-based method is refused naming the head_dim and the way out."""
+    import oscarkv
+
+    config = transformers.LlamaConfig(hidden_size=192, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
+    torch.manual_seed(0)
+    model = oscarkv.patch(transformers.LlamaForCausalLM(config).eval(), method="naive")
+    out = model.generate(torch.randint(0, 128, (1, 340)), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 343)
+    with pytest.raises(UnsupportedModelError, match=r"head_dim=96 is not a power of two.*method 'naive'"):
+        oscarkv.patch(transformers.LlamaForCausalLM(config).eval(), method="hadamard")
 
 
 def test_group_size_must_divide_head_dim():

@@ -18,8 +18,8 @@ def check_power_of_two(head_dim: int) -> None:
     if head_dim < 1 or head_dim & (head_dim - 1):
         raise UnsupportedModelError(
             f"head_dim={head_dim} is not a power of two: the Walsh-Hadamard and bit-reversal "
-            "factors of OSCAR need one. Use a model with head_dim 64/128/256, or the 'identity' "
-            "method (naive INT2), which needs no Hadamard."
+            "factors of OSCAR need one. Use a model with head_dim 64/128/256, or INT2 without a rotation "
+            "(method 'naive'; `calibrate --method identity`), which needs none."
         )
 
 
