@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..cache.paged import KERNEL_HEAD_DIMS, PagedKVCache, PagedLayer, PagedLayout, StepBatch
+from ..cache.paged import PagedKVCache, PagedLayer, PagedLayout, StepBatch
 from ..errors import OscarError
 from . import require_cuda
 from ..kernels import reference
@@ -52,11 +52,11 @@ def layer_shape(model: str) -> LayerShape:
     from ..models import attention_shape, model_config
 
     shape = attention_shape(model_config(model))
-    if shape.head_dim not in KERNEL_HEAD_DIMS:
-        raise OscarError(f"{model}: head_dim={shape.head_dim} is not supported by the paged cache; supported: "
-                         f"{KERNEL_HEAD_DIMS}.")
-    group = QuantConfig.for_head_dim(shape.head_dim).group_size
-    PagedLayout(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, group_size=group)  # refuses what it cannot hold
+    try:
+        group = QuantConfig.for_head_dim(shape.head_dim).group_size
+        PagedLayout(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, group_size=group)  # refuses what it cannot hold
+    except OscarError as exc:
+        raise OscarError(f"{model}: {exc}") from None
     return LayerShape(shape.num_heads, shape.num_kv_heads, shape.head_dim, group)
 
 
