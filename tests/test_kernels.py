@@ -485,14 +485,18 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     # programs than multiprocessors (Qwen3 2x500: 16 pairs x 16): the small-batch rule's 4 four-warp programs
     for batch, context in ((1, 2000), (4, 500), (2, 500)):
         assert plan(batch, splits(batch, context), context) == ops.WindowPlan(4), (batch, context)
-    # head_dim 64 beyond 2 pairs per multiprocessor (SmolLM2 89x4K: 267 pairs): one two-warp window program of
-    # 32-key blocks; 88x4K and Qwen3 shapes keep theirs
-    for model, batch, heads, expected in ((small, 89, 9, ops.LARGE_BATCH_WINDOW_PLAN_D64),
-                                          (small, 256, 9, ops.LARGE_BATCH_WINDOW_PLAN_D64),
-                                          (small, 88, 9, ops.WindowPlan(2)), (layer, 256, 32, ops.WindowPlan(1))):
+    # beyond 2 pairs per multiprocessor (SmolLM2 89x4K: 267 pairs, Qwen3 34x4K: 272): one two-warp window
+    # program of 32-key blocks; SmolLM2 88x4K and Qwen3 33x4K (264 pairs) keep theirs; head_dim 256 too
+    large = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=256, group_size=128))
+    for model, batch, heads, expected in ((small, 89, 9, ops.LARGE_BATCH_WINDOW_PLAN),
+                                          (small, 256, 9, ops.LARGE_BATCH_WINDOW_PLAN),
+                                          (small, 88, 9, ops.WindowPlan(2)),
+                                          (layer, 34, 32, ops.LARGE_BATCH_WINDOW_PLAN),
+                                          (layer, 256, 32, ops.LARGE_BATCH_WINDOW_PLAN),
+                                          (layer, 33, 32, ops.WindowPlan(1)), (large, 256, 32, ops.WindowPlan(1))):
         total = ops.choose_splits(model, batch, 1, heads, 4000, torch.device("cpu"))
         assert ops.window_plan(model, batch, 1, heads, total, 4000, torch.device("cpu")) == expected, batch
-    assert ops.LARGE_BATCH_WINDOW_PLAN_D64 == ops.WindowPlan(1, warps=2, block_n=32)
+    assert ops.LARGE_BATCH_WINDOW_PLAN == ops.WindowPlan(1, warps=2, block_n=32)
 
 
 def test_history_programs_take_one_warp_from_one_per_multiprocessor(monkeypatch):
@@ -510,7 +514,7 @@ def test_history_programs_take_one_warp_from_one_per_multiprocessor(monkeypatch)
 def test_history_registers_capped_where_four_warp_windows_need_room(monkeypatch):
     """On an H100's 132 multiprocessors (Qwen3 shapes): a full wave of one-page history programs (8 per
     multiprocessor) is capped at 168 registers so that a four-warp window program fits beside them; half a
-    wave, two-page steps, one-warp windows, several waves and extend steps are not capped."""
+    wave, two-page steps, one-warp and two-warp windows, several waves and extend steps are not capped."""
     import oscarkv.kernels.ops as ops
 
     monkeypatch.setattr(ops, "_multiprocessor_count", lambda device: 132)
@@ -526,12 +530,13 @@ def test_history_registers_capped_where_four_warp_windows_need_room(monkeypatch)
 
     capped = ops.HISTORY_REGISTERS_BESIDE_WINDOWS
     assert capped * 32 * (ops.PROGRAMS_PER_MULTIPROCESSOR + 4) <= 65536  # 8 history + one four-warp program
-    for batch, context in ((1, 65536), (1, 100000), (1, 131072), (4, 32768), (8, 32768), (32, 8192), (64, 4096)):
+    for batch, context in ((1, 65536), (1, 100000), (1, 131072), (4, 32768), (8, 32768), (32, 8192)):
         assert cap(batch, context) == capped, (batch, context)
     # half a wave (1x8K, 1x32K), one-warp windows and two pages per step (16x32K, 32x32K), two waves
-    # (81x32K: 20 programs per multiprocessor), extend steps (several query blocks)
+    # (81x32K: 20 programs per multiprocessor), extend steps (several query blocks), two-warp windows beyond
+    # 2 pairs per multiprocessor (64x4K: 512 pairs)
     for batch, context, new in ((1, 8192, 1), (1, 32768, 1), (16, 32768, 1), (32, 32768, 1), (81, 32768, 1),
-                                (1, 131072, 64)):
+                                (1, 131072, 64), (64, 4096, 1)):
         assert cap(batch, context, new) is None, (batch, context, new)
     full = ops.choose_splits(layer, 1, 1, 32, 131072, cpu)
     one_warp = ops.WindowPlan(4, warps=1, block_n=16)
@@ -581,12 +586,12 @@ def test_decode_windows_shared_by_several_splits():
 
 
 @pytest.mark.parametrize("window_splits,window,head_dim,warps,block_n", [
-    (5, 0, 128, 1, 16), (3, 150, 128, 1, 16), (16, 0, 64, 1, 16), (1, 0, 64, 2, 32)])
+    (5, 0, 128, 1, 16), (3, 150, 128, 1, 16), (16, 0, 64, 1, 16), (1, 0, 64, 2, 32), (1, 0, 128, 2, 32)])
 def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, head_dim, warps, block_n):
     """One-warp window programs read 16-key blocks: the 64-token sink's four blocks go round the window
     splits with the ring's (5 splits: one takes no sink block; 16 splits, as few history programs take them:
     twelve take none), the combine merges 32 channels per program; with a sliding window that starts inside
-    the ring; then a short chunk in the fused kernel with the same plan. Head_dim 64 at large batches: one
+    the ring; then a short chunk in the fused kernel with the same plan. Large batches (head_dim 64 and 128): one
     two-warp program of 32-key blocks, which reads the sink's two blocks itself. The prompts go through the
     dequantizing extend path, which is cheaper in the CPU interpreter."""
     from oscarkv.kernels.ops import COMBINE_CHANNELS, WindowPlan

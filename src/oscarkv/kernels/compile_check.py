@@ -123,7 +123,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                  attention(17, 1, 4, warps=4, BLOCK_M=32)]
         if d <= 128:  # one-warp window programs of 16-key blocks (`ops.window_plan`)
             jobs.append(attention(17, 2, 1, warps=1, block_n=16))
-        if d < 128:  # large batches: one two-warp window program of 32-key blocks (`ops._two_warp_windows`)
+        if d <= 128:  # large batches: one two-warp window program of 32-key blocks (`ops._two_warp_windows`)
             jobs.append(attention(17, 2, 1, warps=2, block_n=32))
         # few history programs (`ops.history_warps`): four-warp history beside 16 one-warp window programs
         jobs += [attention(30, 1, 16, warps=4), attention(30, 2, 16, warps=1, block_n=16)]

@@ -217,8 +217,8 @@ class WindowPlan:
     block_n: int | None = None
 
 
-# The window program per (sequence, KV head) of head_dim-64 decode steps beyond 2·sms pairs (`_two_warp_windows`).
-LARGE_BATCH_WINDOW_PLAN_D64 = WindowPlan(1, warps=2, block_n=32)
+# The window program per (sequence, KV head) of decode steps beyond 2·sms pairs (`_two_warp_windows`).
+LARGE_BATCH_WINDOW_PLAN = WindowPlan(1, warps=2, block_n=32)
 
 
 def _decode_programs(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int,
@@ -297,14 +297,16 @@ def _few_history_windows(programs: int, history_splits: int, sms: int) -> bool:
 
 
 def _two_warp_windows(layer: PagedLayer, programs: int, sms: int) -> bool:
-    """Whether a decode step reads its windows with LARGE_BATCH_WINDOW_PLAN_D64 (one program of two warps and
-    32-key blocks per pair): head_dim 64 beyond 2·sms (sequence, KV head) pairs, where it took one four-warp
-    program of 64-key blocks. Those take 168 registers a thread and wait for history programs to end; the
-    two-warp ones run beside them. H200, SmolLM2 shapes (9 query / 3 KV heads), one layer, quarter-slice history
-    (docs/data/quarter-slices-h200.txt): 128x4K 86.3 -> 59.6 µs, 256x4K 153.8 -> 115.4. With fewer pairs the
-    four-warp programs were as fast or faster (history before the quarter slices: 64x4K 58.4 against 62.3 µs,
-    16x2K 17.4 against 21.2); Qwen3 shapes were not measured enough to take it (64x4K 101.5 -> 100.0 µs)."""
-    return layer.layout.head_dim < 128 and programs > 2 * sms
+    """Whether a decode step reads its windows with LARGE_BATCH_WINDOW_PLAN (one program of two warps and
+    32-key blocks per pair): head_dim up to 128 beyond 2·sms (sequence, KV head) pairs, where it took one
+    four-warp program of 64-key blocks. Those take 168 registers a thread and wait for history programs to end;
+    the two-warp ones run beside them. H200, one layer (docs/data/quarter-slices-h200.txt,
+    two-warp-windows-h200.txt): SmolLM2 shapes (9 query / 3 KV heads, head_dim 64) 128x4K 86.3 -> 59.6 µs,
+    256x4K 153.8 -> 115.4; Qwen3 shapes (32 / 8, head_dim 128) 128x4K 194.7 -> 189.5, 256x4K 389.3 -> 370.3,
+    96x32K 757.8 -> 749.3; whole random models, SmolLM2 256x4K 6.03 -> 4.81 ms, Qwen3-4B 128x4K 11.25 -> 11.19,
+    64x8K 9.70 -> 9.61. With fewer pairs the four-warp programs were as fast or faster (history before the
+    quarter slices: 64x4K 58.4 against 62.3 µs, 16x2K 17.4 against 21.2). Head_dim 256 was not measured."""
+    return layer.layout.head_dim <= 128 and programs > 2 * sms
 
 
 def _window_splits(programs: int, sms: int) -> int:
@@ -364,7 +366,7 @@ def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int) -
     if _few_history_windows(programs, history, sms):
         return history, WindowPlan(FEW_HISTORY_WINDOW_SPLITS, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
     if _two_warp_windows(layer, programs, sms):
-        return history, LARGE_BATCH_WINDOW_PLAN_D64
+        return history, LARGE_BATCH_WINDOW_PLAN
     return history, WindowPlan(_window_splits(programs, sms))
 
 
