@@ -451,7 +451,8 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     splits = lambda batch, context: ops.choose_splits(layer, batch, 1, 32, context, torch.device("cpu"))  # noqa: E731
     assert [splits(1, c) for c in (8192, 32768, 65536, 131072)] == [66 + 4, 66 + 4, 127 + 4, 132 + 4]
     # batches beyond 4 (32 sequence-head pairs) take 2 four-warp window splits, up to 2 pairs per
-    # multiprocessor; where those history splits read 64 pages or more (32x32K: 128), one one-warp split
+    # multiprocessor; where those history splits read 64 pages or more (32x32K: 128), one one-warp split;
+    # beyond 2 pairs per multiprocessor (66 and 81: 528 and 648 pairs) one two-warp program per pair
     assert [splits(b, 32768) for b in (4, 8, 32, 66, 81)] == [33 + 4, 16 + 2, 4 + 1, 2 + 1, 4 + 1]
     assert splits(32, 8192) == 4 + 2  # 32 pages per history split
     plan = lambda batch, total, context=32768: ops.window_plan(  # noqa: E731
@@ -460,7 +461,8 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
         total = splits(batch, 32768)
         chosen = plan(batch, total)
         assert chosen.splits == total - {1: 66, 4: 33, 8: 16, 32: 4, 66: 2, 81: 4}[batch]
-        assert (chosen.warps, chosen.block_n) == ((1, 16) if batch == 32 else (4, None))
+        expected = {32: (1, 16), 66: (2, 32), 81: (2, 32)}.get(batch, (4, None))
+        assert (chosen.warps, chosen.block_n) == expected, batch
     assert plan(32, 6, 8192) == ops.WindowPlan(2)
     assert ops.window_split_count(layer, 32, 1, 32, 5, 32768, torch.device("cpu")) == 1
     # few KV heads (SmolLM2: 3) share the windows among 8 splits each, and the inverse finds them
@@ -486,14 +488,14 @@ def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     for batch, context in ((1, 2000), (4, 500), (2, 500)):
         assert plan(batch, splits(batch, context), context) == ops.WindowPlan(4), (batch, context)
     # beyond 2 pairs per multiprocessor (SmolLM2 89x4K: 267 pairs, Qwen3 34x4K: 272): one two-warp window
-    # program of 32-key blocks; SmolLM2 88x4K and Qwen3 33x4K (264 pairs) keep theirs; head_dim 256 too
+    # program of 32-key blocks; SmolLM2 88x4K and Qwen3 33x4K (264 pairs) keep two four-warp ones; head_dim 256 one
     large = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=256, group_size=128))
     for model, batch, heads, expected in ((small, 89, 9, ops.LARGE_BATCH_WINDOW_PLAN),
                                           (small, 256, 9, ops.LARGE_BATCH_WINDOW_PLAN),
                                           (small, 88, 9, ops.WindowPlan(2)),
                                           (layer, 34, 32, ops.LARGE_BATCH_WINDOW_PLAN),
                                           (layer, 256, 32, ops.LARGE_BATCH_WINDOW_PLAN),
-                                          (layer, 33, 32, ops.WindowPlan(1)), (large, 256, 32, ops.WindowPlan(1))):
+                                          (layer, 33, 32, ops.WindowPlan(2)), (large, 256, 32, ops.WindowPlan(1))):
         total = ops.choose_splits(model, batch, 1, heads, 4000, torch.device("cpu"))
         assert ops.window_plan(model, batch, 1, heads, total, 4000, torch.device("cpu")) == expected, batch
     assert ops.LARGE_BATCH_WINDOW_PLAN == ops.WindowPlan(1, warps=2, block_n=32)
