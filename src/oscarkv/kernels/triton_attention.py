@@ -42,6 +42,9 @@ COMBINE_WARPS = 4  # 2 and 8 were slower or no faster on the H100 (docs/data/com
 BLOCK_M_CHOICES = (8, 16, 32)  # query rows per program that `launch_attention` takes (16: every decode and prefill)
 
 UNIT_INV = tl.constexpr(16777216.0)  # 2^24: codes enter the dots as c·mult·2^-24 (see `_slice_layout`)
+# Columns of the value zero corrections' tile (`_weighted_codes_mma`): every column holds the same sums, and 8 is the
+# narrow side of the m16n8k16 tile, so the correction takes 4 tensor-core dots per page and group instead of 8.
+ZERO_COLUMNS = tl.constexpr(8)
 
 
 @triton.jit
@@ -362,7 +365,7 @@ def _page_values(p, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, z0, z1, z2, 
                  ASM: tl.constexpr, LLOYD: tl.constexpr):
     """Adds one page of quantized values, weighted by the probabilities p [BLOCK_M, P], to the slice
     sums acc_s (Σ p·s·c·mult_s in units of 2^-24; LLOYD: Σ p·s·(c + kappa·b1)·mult_s) and to the zero
-    corrections z_g (every column of [BLOCK_M, 16] holds Σ p·s·z of group g)."""
+    corrections z_g (every column of [BLOCK_M, ZERO_COLUMNS] holds Σ p·s·z of group g)."""
     v0, v1, vh0, vh1 = _page_words(vc_ptr, row0, P, D, BITS, ASM)
     w0, z0 = _weighted_codes_mma(p, z0, vs_ptr, vz_ptr, row0, 0, NG, P)
     w1, w2, w3 = w0, w0, w0
@@ -484,14 +487,14 @@ def _softmax_weights(s, visible, m, l, unit):
 @triton.jit
 def _weighted_codes_mma(p, corr, vs_ptr, vz_ptr, row0, g: tl.constexpr, NG: tl.constexpr, P: tl.constexpr):
     """As `_weighted_codes` for the sliced path, with the zero correction on the tensor cores:
-    corr [BLOCK_M, 16] += weight · z (z broadcast over 16 columns; every column holds the same
+    corr [BLOCK_M, ZERO_COLUMNS] += weight · z (z broadcast over the columns; every column holds the same
     sums). The products of two float16 are exact in float32, so the correction still cancels the
     zero term of the value dots exactly. corr is rescaled by the caller."""
     at = _page_param_offsets(row0, g, NG, P)
     scale = tl.load(vs_ptr + at).to(tl.float32)
     zero = tl.load(vz_ptr + at)  # float16, as the dot takes it
     weight = (p * scale[None, :]).to(tl.float16)
-    return weight, tl.dot(weight, tl.broadcast_to(zero[:, None], (P, 16)), corr)
+    return weight, tl.dot(weight, tl.broadcast_to(zero[:, None], (P, ZERO_COLUMNS)), corr)
 
 
 @triton.jit
@@ -767,10 +770,10 @@ def _paged_attention_kernel(
         acc5 = tl.zeros([BLOCK_M, U], tl.float32)
         acc6 = tl.zeros([BLOCK_M, U], tl.float32)
         acc7 = tl.zeros([BLOCK_M, U], tl.float32)
-        z0 = tl.zeros([BLOCK_M, 16], tl.float32)  # zero corrections, every column the same
-        z1 = tl.zeros([BLOCK_M, 16], tl.float32)
-        z2 = tl.zeros([BLOCK_M, 16], tl.float32)
-        z3 = tl.zeros([BLOCK_M, 16], tl.float32)
+        z0 = tl.zeros([BLOCK_M, ZERO_COLUMNS], tl.float32)  # zero corrections, every column the same
+        z1 = tl.zeros([BLOCK_M, ZERO_COLUMNS], tl.float32)
+        z2 = tl.zeros([BLOCK_M, ZERO_COLUMNS], tl.float32)
+        z3 = tl.zeros([BLOCK_M, ZERO_COLUMNS], tl.float32)
         share = tl.cdiv(history_pages, PAGE_SPLITS)
         lo = history_split * share
         hi = tl.minimum(lo + share, history_pages)
