@@ -80,7 +80,8 @@ def main() -> None:
                 err = (out.float() - expected).abs().max().item()
                 us = _time_us(fn)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"{shape} r{maxnreg} s{stages} sp{splits} g{row_groups} m{block_m}: failed {type(exc).__name__}: {exc}"[:200])
+                print(f"{shape} r{maxnreg} s{stages} sp{splits} g{row_groups} m{block_m}: "
+                      f"failed {type(exc).__name__}: {exc}"[:200])
                 continue
             gbs = nbytes / us / 1e3
             results.append((us, maxnreg or 0, warps, stages, splits, row_groups, block_m, err))
