@@ -45,14 +45,17 @@ class PagedRun:
 
     def step(self, new_tokens: list[int], q, k, v, window: int = 0, num_splits: int | None = None,
              window_splits: int | None = None, row_groups: int | None = None, extend: str = "auto",
-             block_m: int | None = None):
+             block_m: int | None = None, history: str = "auto"):
+        """history: the decode history kernel of the Triton backend (`attend_step`), for steps of at most one
+        new token per sequence (prompts take "auto")."""
         batch = self.cache.step(self.slots, new_tokens)
         k_rot = write_step(self.layer, batch, k, v, self.rotation, self.mean, self.clip_k, self.clip_v,
                            backend=self.backend)
         scale = self.layout.head_dim ** -0.5
         out = attend_step(self.layer, batch, q, k_rot, v, scale, window, backend=self.backend, num_splits=num_splits,
                           window_splits=window_splits if self.backend == "triton" else None,
-                          row_groups=row_groups if self.backend == "triton" else None, extend=extend, block_m=block_m)
+                          row_groups=row_groups if self.backend == "triton" else None, extend=extend, block_m=block_m,
+                          history=history if self.backend == "triton" and max(new_tokens) <= 1 else "auto")
         return out, k_rot
 
 

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not in
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(page_size=16, sink_tokens=16, recent_tokens=32)  # window and page edges at small lengths
 OUTPUT_TOLERANCE = 1e-2  # the issue's bar: max abs error of the outputs, float32 accumulation
+DEFAULT_PAGES = dict(page_size=64, sink_tokens=64, recent_tokens=256)  # the layout the Gluon history kernel takes
+GLUON = pytest.mark.skipif(not torch.cuda.is_available(),
+                           reason="the Gluon decode history kernel runs on a GPU only (no CPU interpreter)")
 
 
 def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,11 +37,11 @@ def _stored(run: PagedRun, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=torch.float32, window: int = 0,
            num_splits: int | None = None, window_splits: int | None = None, values=None, key_offset: float = 0.0,
            row_groups: int | None = None, extend: str | list[str] = "auto", block_m: int | None = None,
-           **run_options) -> None:
+           history: str = "auto", **run_options) -> None:
     """`values`: a function mapping each random k and v to the values the step writes (default: as drawn);
     key_offset: added to every key (with `mean_offset`, keys near a large μ_K); extend, block_m: `attend_step`'s
     path for steps of several tokens (one for every step, or one per step) and the kernel's query rows per
-    program."""
+    program; history: the decode steps' history kernel (`attend_step`)."""
     kernel = PagedRun(layout, len(steps[0]), 1024, query_heads, "triton", device=DEVICE, **run_options)
     torch_ref = PagedRun(layout, len(steps[0]), 1024, query_heads, "torch", device=DEVICE, **run_options)
     g = torch.Generator().manual_seed(7)
@@ -50,7 +53,7 @@ def _drive(layout: PagedLayout, query_heads: int, steps: list[list[int]], dtype=
         k = (k.float() + key_offset).to(dtype)
         out_kernel, k_rot_kernel = kernel.step(new_tokens, q, k, v, window=window, num_splits=num_splits,
                                                window_splits=window_splits, row_groups=row_groups, extend=path,
-                                               block_m=block_m)
+                                               block_m=block_m, history=history)
         out_ref, k_rot_ref = torch_ref.step(new_tokens, q, k, v, window=window)
         # Rotated keys: float32 rotation then one rounding to BF16; the summation order may
         # flip the last bit of a rare element.
@@ -441,6 +444,79 @@ def test_decode_row_groups_match_reference(head_dim, gqa, row_groups, num_splits
            row_groups=row_groups, extend="dequantize", **extra)
 
 
+@GLUON
+@pytest.mark.parametrize("gqa,shift_block", [(1, 0), (4, 0), (6, 0), (8, 0), (4, 40), (8, 128)])
+@pytest.mark.parametrize("num_splits", [2, 4, 7])
+def test_gluon_decode_history_matches_reference(gqa, shift_block, num_splits):
+    """The Gluon decode history kernel (`kernels.gluon_history`) against the torch reference: prompts that end
+    before the history (319: no page), on its first page edges (384, 385) and past it (700, five pages), then
+    decode steps, one of them with a sequence that adds no token; up to six history splits of at most one page,
+    so that some splits have none; with key shifts (key_centering="rope") over blocks that do and do not align
+    with pages. The prompts take the dequantizing path (decode is what this tests)."""
+    from oscarkv.kernels import gluon_history
+
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **DEFAULT_PAGES)
+    if not gluon_history.available():
+        pytest.skip("this Triton has no Gluon")
+    steps = [[319, 384, 385, 700], [1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 1, 1]]
+    _drive(layout, 2 * gqa, steps, num_splits=num_splits, window_splits=1, extend="dequantize", history="gluon",
+           shift_block=shift_block)
+
+
+def test_gluon_history_scope(monkeypatch):
+    """Which decode steps the Gluon history kernel takes (`gluon_history.takes`), on a stand-in GPU: the default
+    layout at D = 128 and up to 8 query heads per KV head, nothing else; history="gluon" outside that scope is
+    an error naming the fix, and an unknown history kernel is refused."""
+    from dataclasses import replace
+
+    from oscarkv.kernels import gluon_history
+
+    monkeypatch.setattr(gluon_history, "available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    cuda = torch.device("cuda", 0)
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **DEFAULT_PAGES)
+    run = PagedRun(layout, 2, 1024, 8, "torch")
+    decode = run.cache.step(run.slots, [1, 1])
+    assert gluon_history.takes(run.layer, decode, 8, 0, cuda)
+    assert gluon_history.takes(run.layer, decode, 16, 0, cuda)  # 8 query heads per KV head
+    assert not gluon_history.takes(run.layer, decode, 18, 0, cuda)  # 9
+    assert not gluon_history.takes(run.layer, decode, 8, 0, torch.device("cpu"))
+    assert not gluon_history.takes(run.layer, decode, 8, 100, cuda)  # a sliding window
+    assert not gluon_history.takes(run.layer, replace(decode, max_new=2), 8, 0, cuda)  # an extend step
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (7, 5))
+    assert not gluon_history.takes(run.layer, decode, 8, 0, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    for other in (dict(head_dim=64, group_size=64), dict(group_size=64), dict(page_size=16), dict(key_bits=4),
+                  dict(value_bits=4), dict(key_inner=0.37), dict(value_inner=0.39)):
+        options = dict(kv_heads=2, head_dim=128, group_size=128, **DEFAULT_PAGES)
+        other_run = PagedRun(PagedLayout(**{**options, **other}), 2, 1024, 8, "torch")
+        assert not gluon_history.takes(other_run.layer, other_run.cache.step(other_run.slots, [1, 1]), 8, 0, cuda)
+    shifted = PagedRun(layout, 2, 1024, 8, "torch", shift_block=64)  # key shifts (key_centering="rope") are in
+    assert gluon_history.takes(shifted.layer, shifted.cache.step(shifted.slots, [1, 1]), 8, 0, cuda)
+    # history="gluon" where it cannot run (a sliding window; on the CPU, the CPU too), and an unknown kernel
+    kernel_run = PagedRun(layout, 1, 1024, 8, "triton", device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    kernel_run.step([400], *random_step(layout, 8, [400], g, dtype=torch.float32, device=DEVICE),
+                    extend="dequantize")
+    q, k, v = random_step(layout, 8, [1], g, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(OscarError, match="history='gluon'.*history='auto'"):
+        kernel_run.step([1], q, k, v, window=100, num_splits=3, history="gluon")
+    with pytest.raises(OscarError, match="history='fast'"):
+        kernel_run.step([1], q, k, v, num_splits=3, history="fast")
+
+
+def test_gluon_history_needs_a_recent_triton(monkeypatch):
+    """Gluon's API moves between Triton releases: below MIN_TRITON the Triton kernel serves every step."""
+    import triton
+
+    from oscarkv.kernels import gluon_history
+
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    assert not gluon_history.available.__wrapped__()
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert gluon_history.available.__wrapped__() == gluon_history.available()
+
+
 def test_decode_splits_of_at_least_eight_pages_down_to_half_a_wave(monkeypatch):
     """The launch plan on an H100's 132 multiprocessors (Qwen3 shapes): batch 1 below 64K takes half a
     wave of history splits (8 or more pages each), longer contexts and batches one full wave."""
@@ -686,22 +762,29 @@ def test_page_table_out_of_range_is_refused():
         write_step(run.layer, batch, k, k)
 
 
-@pytest.mark.parametrize("head_dim,num_splits", [(64, 3), (128, 3), (128, 1)])
-def test_unvalidated_page_out_of_range_adds_nothing(head_dim, num_splits):
+@pytest.mark.parametrize("head_dim,num_splits,history", [
+    (64, 3, "auto"), (128, 3, "auto"), (128, 1, "auto"),
+    pytest.param(128, 3, "gluon", marks=GLUON), pytest.param(128, 3, "triton", marks=GLUON)])
+def test_unvalidated_page_out_of_range_adds_nothing(head_dim, num_splits, history):
     """The fast path (validate=False) reads a bad block-table entry as page 0 and masks it: the output
-    is attention over every other position (both history read paths, split or not)."""
-    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=head_dim, **SMALL)
-    run = PagedRun(layout, 1, 256, 8, "triton", device=DEVICE)
+    is attention over every other position (both history read paths, split or not; on the GPU the Gluon
+    decode history kernel and the Triton one, in the default layout)."""
+    pages = DEFAULT_PAGES if history != "auto" else SMALL
+    layout = PagedLayout(kv_heads=2, head_dim=head_dim, group_size=head_dim, **pages)
+    prompt = 200 if history == "auto" else 700
+    run = PagedRun(layout, 1, 1024, 8, "triton", device=DEVICE)
     g = torch.Generator().manual_seed(3)
-    run.step([200], *random_step(layout, 8, [200], g, dtype=torch.float32, device=DEVICE), extend="dequantize")
+    run.step([prompt], *random_step(layout, 8, [prompt], g, dtype=torch.float32, device=DEVICE), extend="dequantize")
     q, k, v = random_step(layout, 8, [1], g, dtype=torch.float32, device=DEVICE)
     batch = run.cache.step(run.slots, [1])
     k_rot = write_step(run.layer, batch, k, v, run.rotation, run.mean, run.clip_k, run.clip_v, backend="triton")
-    keys, values = _stored(run, run.slots[0])  # [Hkv, 201, D], the step's own token included
+    keys, values = _stored(run, run.slots[0])  # [Hkv, prompt + 1, D], the step's own token included
     bad = 3  # a history page: positions S + 3P .. S + 4P - 1
+    assert layout.history_end(prompt + 1) >= layout.sink_tokens + (bad + 1) * layout.page_size
     run.cache.block_table[run.slots[0], bad] = run.layer.num_pages + 5
     scale = head_dim ** -0.5
-    out = attend_step(run.layer, batch, q, k_rot, v, scale, backend="triton", validate=False, num_splits=num_splits)
+    out = attend_step(run.layer, batch, q, k_rot, v, scale, backend="triton", validate=False, num_splits=num_splits,
+                      history=history)
     first = layout.sink_tokens + bad * layout.page_size
     kept = torch.ones(keys.shape[1], dtype=torch.bool, device=keys.device)
     kept[first:first + layout.page_size] = False
@@ -847,7 +930,10 @@ def test_kernels_compile_for_the_h100():
     done = subprocess.run([sys.executable, "-m", "oscarkv.kernels.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "44 kernel configurations compiled for sm_90" in done.stdout
+    from oscarkv.kernels import gluon_history
+
+    configurations = 44 + 2 * gluon_history.available()  # the Gluon decode history kernel, with and without key shifts
+    assert f"{configurations} kernel configurations compiled for sm_90" in done.stdout
 
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads,per_head", [(64, 9, 3, False), (64, 9, 3, True),

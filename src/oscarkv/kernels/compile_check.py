@@ -73,6 +73,9 @@ def compile_kernel(fn, types: dict, constexprs: dict, arch: int, aligned: bool =
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (`gluon_history`)
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
     defaults = {name: param.default for name, param in inspect.signature(fn.fn).parameters.items()
                 if param.default is not inspect.Parameter.empty and name not in types}
     constexprs = {**defaults, **constexprs}  # a constexpr left out takes the kernel's default
@@ -94,8 +97,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         raise RuntimeError("TRITON_INTERPRET=1 replaces the kernels by interpreted functions; unset it to compile.")
     import triton.language as tl
 
-    from . import (triton_attention, triton_decode_qk, triton_dense, triton_dequantize, triton_gemv, triton_norm,
-                   triton_rotate, triton_write)
+    from . import (gluon_history, triton_attention, triton_decode_qk, triton_dense, triton_dequantize, triton_gemv,
+                   triton_norm, triton_rotate, triton_write)
     from .hardware import register_cap_supported
     from .ops import HISTORY_REGISTERS_BESIDE_WINDOWS, choose_splits  # noqa: F401  (the dispatch imports cleanly too)
 
@@ -191,6 +194,15 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                          dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-page // 16), PREFETCH_SPLITS=132,
                               PREFETCH_PAGES=2),
                          dict(num_warps=warps, **unfused)))
+        if gluon_history.available() and (d, group, key_bits, value_bits, page) == (128, 128, 2, 2, 64):
+            from .gluon_history_kernel import history_kernel  # decode history in Gluon (`gluon_history.takes`)
+
+            cap = dict(maxnreg=gluon_history.REGISTER_CAP) if register_cap_supported() else {}
+            for shifted in (False, True):
+                jobs.append((history_kernel, ATTENTION_TYPES,
+                             dict(HQ=hq, HKV=hkv, S=sink, R=recent, NUM_SPLITS=17, WS=4, OVERLAP=int(pdl),
+                                  RESERVED_WORDS=gluon_history.RESERVED_SHARED_BYTES // 4, KEY_SHIFTS=shifted,
+                                  SHIFT_BLOCK=1024), dict(num_warps=1, **cap)))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

@@ -18,6 +18,7 @@ from ..config import EXTEND_PATHS, ExtendPath
 from ..errors import OscarError
 from . import reference
 from .extend import extend_attention, takes_dequantized_extend
+from .gluon_history import HISTORY_KERNELS, HistoryKernel
 from .hardware import multiprocessors as _multiprocessors
 from .hardware import register_cap_supported
 
@@ -599,7 +600,8 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                 max_context: int | None = None, out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
                 window_splits: int | WindowPlan | None = None, row_groups: int | None = None,
-                extend: ExtendPath = "auto", block_m: int | None = None) -> torch.Tensor:
+                extend: ExtendPath = "auto", block_m: int | None = None,
+                history: HistoryKernel = "auto") -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] (rotated by R_K) over the cache and the step itself.
 
     k_rot, v: [T, Hkv, D] from `write_step` (call it first). Returns [T, Hq, D] in q.dtype.
@@ -611,7 +613,8 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
     extend: how the Triton backend runs a step of several new tokens per sequence: "fused" (the attention
     kernel), "dequantize" (`extend.extend_attention`: the history dequantized once, then SDPA), or "auto"
     (`takes_dequantized_extend`). Decode steps (one new token per sequence at most) always run the kernel.
-    block_m: query rows per program of the kernel (None: `choose_block_m`).
+    block_m: query rows per program of the kernel (None: `choose_block_m`). history: the kernel of a decode step's
+    history launch, "auto", "triton" or "gluon" (`gluon_history`; see `triton_attention.launch_attention`).
     """
     lay = layer.layout
     _check_inputs(layer, batch, ("q", q, None), ("k_rot", k_rot, lay.kv_heads), ("v", v, lay.kv_heads))
@@ -619,6 +622,8 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
         raise OscarError(f"{q.shape[1]} query heads are not a multiple of {lay.kv_heads} KV heads.")
     if extend not in EXTEND_PATHS:
         raise OscarError(f"extend={extend!r}; use one of {EXTEND_PATHS}.")
+    if history not in HISTORY_KERNELS:
+        raise OscarError(f"history={history!r}; use one of {HISTORY_KERNELS}.")
     if validate:
         check_block_table(layer, batch)
     if resolve_backend(backend, q.device) == "torch":
@@ -647,7 +652,7 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                                   q.device, block_m)
     launch_attention(layer, batch, q, k_rot, v, out, scale, window, num_splits, workspace, window_splits=plan.splits,
                      row_groups=row_groups, window_warps=plan.warps, window_block_n=plan.block_n, maxnreg=registers,
-                     combine_d_block=min(COMBINE_CHANNELS, lay.head_dim), block_m=block_m)
+                     combine_d_block=min(COMBINE_CHANNELS, lay.head_dim), block_m=block_m, history=history)
     return out
 
 

@@ -28,10 +28,12 @@ Lloyd–Max levels (`quant.format`) add one high-bit dot per code tile (`_lloyd_
 
 from __future__ import annotations
 
-
 import triton
 import triton.language as tl
 
+from ..errors import OscarError
+from . import gluon_history
+from .gluon_history import HistoryKernel
 from .hardware import programmatic_launch_supported, register_cap_supported
 from .triton_pdl import gdc_launch_dependents as _gdc_launch_dependents, gdc_wait as _gdc_wait
 from .triton_pdl import programmatic as _programmatic
@@ -920,7 +922,7 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
                      maxnreg: int | None = None, window_splits: int = 1, overlap: bool | None = None,
                      window_first: bool = False, row_groups: int = 1, window_block_n: int | None = None,
-                     combine_d_block: int | None = None) -> None:
+                     combine_d_block: int | None = None, history: HistoryKernel = "auto") -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
@@ -945,7 +947,11 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     window_warps, window_block_n (None: block_n): the window programs' warps and keys per block
     (`ops.window_plan`: one warp and 16 keys fit beside the one-warp history programs; a sink longer
     than the block goes round the window splits block by block). combine_d_block (None: head_dim):
-    the channels each combine program merges."""
+    the channels each combine program merges.
+
+    history: the kernel of a decode step's history launch: "gluon" (`gluon_history`: half the tensor-core dots;
+    an error where the step is outside its scope), "triton" (this module's kernel), or "auto" (Gluon where
+    `gluon_history.takes`, else Triton)."""
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"block_m={block_m}: the attention kernel takes query blocks of {BLOCK_M_CHOICES} rows "
                          "(64 or more failed on the H100 with an illegal memory access).")
@@ -959,8 +965,9 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     if num_warps is None:
         from .ops import history_warps
 
-        history = num_splits - windows if num_splits > 1 and separate_windows else num_splits
-        num_warps = history_warps(b * lay.kv_heads * history, q.device) if batch.max_new * group <= block_m else 4
+        history_splits = num_splits - windows if num_splits > 1 and separate_windows else num_splits
+        num_warps = (history_warps(b * lay.kv_heads * history_splits, q.device) if batch.max_new * group <= block_m
+                     else 4)
     bt = batch.block_table
     m_blocks = triton.cdiv(batch.max_new * group, block_m)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)
@@ -987,14 +994,29 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         ws = shape["WINDOW_SPLITS"]
         registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and register_cap_supported() else {}
         grouped = row_groups if batch.max_new == 1 and row_groups * group <= block_m else 1
-        history = ((b * lay.kv_heads, m_blocks, num_splits - ws),
-                   dict(REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped, **registers))
-        windows = ((b * lay.kv_heads, m_blocks, ws),
-                   dict(REGIONS=2, num_warps=window_warps, num_stages=2, BLOCK_N=window_block_n or block_n))
-        first, second = (windows, history) if window_first else (history, windows)
-        _paged_attention_kernel[first[0]](*args, **{**shape, **first[1]}, OVERLAP=int(overlap))
-        _paged_attention_kernel[second[0]](*args, **{**shape, **second[1]}, OVERLAP=2 * int(overlap),
-                                           **_programmatic(overlap))
+        gluon = history != "triton" and gluon_history.takes(layer, batch, hq, window, q.device)
+        if history == "gluon" and not gluon:
+            raise OscarError("history='gluon': this step, layout or Triton is outside the Gluon history kernel's "
+                             "scope (see oscarkv.kernels.gluon_history); use history='auto'.")
+
+        def launch_history(mode: int, launch_options: dict) -> None:
+            if gluon:
+                gluon_history.launch((b * lay.kv_heads, num_splits - ws), args, hq, lay.kv_heads, lay.sink_tokens,
+                                     lay.recent_tokens, num_splits, ws, mode,
+                                     layer.shift_block if layer.key_shifts is not None else 0, launch_options)
+            else:
+                _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits - ws)](
+                    *args, **shape, REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped,
+                    **registers, OVERLAP=mode, **launch_options)
+
+        def launch_windows(mode: int, launch_options: dict) -> None:
+            _paged_attention_kernel[(b * lay.kv_heads, m_blocks, ws)](
+                *args, **{**shape, "BLOCK_N": window_block_n or block_n}, REGIONS=2, num_warps=window_warps,
+                num_stages=2, OVERLAP=mode, **launch_options)
+
+        first, second = (launch_windows, launch_history) if window_first else (launch_history, launch_windows)
+        first(int(overlap), {})
+        second(2 * int(overlap), _programmatic(overlap))
     else:
         _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits)](
             *args, **shape, REGIONS=0, num_warps=num_warps, num_stages=2)

@@ -1,0 +1,124 @@
+"""Developer tool: the Gluon decode history kernel (`oscarkv.kernels.gluon_history`) against the Triton one.
+
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/probe_gluon_history.py sass      # no GPU: sm_90 SASS counts
+    PYTHONPATH=src python scripts/probe_gluon_history.py gpu 1x131072,32x32768[:SPLITS] [triton,gluon,tritonH,gluonH]
+    ncu --kernel-name regex:"history_kernel|_paged_attention" ... python scripts/probe_gluon_history.py ncu 1x131072
+
+`sass` compiles the kernel for sm_90 with the installed Triton (use 3.6 for the GPU machine's figures) and counts
+the instructions of its page loop by opcode, registers and shared memory. `gpu` times one decode step
+(`ops.attend_step`, best of three CUDA-graph timings, the variants alternating) with each history kernel, against
+the torch reference; a trailing H drops the window launch (the history launch and the combine alone, a wrong
+answer). `ncu` runs one step with each kernel, no graph, for Nsight Compute."""
+from __future__ import annotations
+
+import sys
+
+
+def sass_main() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from count_history_instructions import count, disassemble, loop_spans
+    from oscarkv.kernels.compile_check import ATTENTION_TYPES
+    from oscarkv.kernels.gluon_history import REGISTER_CAP, RESERVED_SHARED_BYTES
+    from oscarkv.kernels.gluon_history_kernel import history_kernel
+
+    constexprs = dict(HQ=32, HKV=8, S=64, R=256, NUM_SPLITS=17, WS=1, OVERLAP=1,
+                      RESERVED_WORDS=RESERVED_SHARED_BYTES // 4)
+    signature = {n: "constexpr" if n in constexprs else ATTENTION_TYPES[n] for n in history_kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(history_kernel.arg_names)
+             if signature[n].startswith("*")}
+    kernel = triton.compile(GluonASTSource(history_kernel, signature, constexprs, attrs),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=REGISTER_CAP))
+    sass, usage = disassemble(kernel.asm["cubin"])
+    print(f"Triton {triton.__version__}: " + usage.strip().splitlines()[-1].strip())
+    for first, last in loop_spans(sass)[1]:
+        counts = count(sass[first:last + 1])
+        print(f"loop, SASS lines {first}-{last}: {sum(counts.values())} instructions")
+        print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common()))
+
+
+def _step(case, splits: int, history: str, windows: bool = True):
+    """A decode step's function with the given history kernel; windows=False drops the window launch."""
+    import torch
+
+    from oscarkv.kernels import triton_attention
+    from oscarkv.kernels.ops import attend_step
+
+    out = torch.zeros_like(case.q)
+    batch = case.q.shape[0]
+    workspace = (torch.empty(batch, 32, splits, 128, dtype=torch.float32, device=case.q.device),
+                 torch.empty(batch, 32, splits, dtype=torch.float32, device=case.q.device))
+    shipped = triton_attention._paged_attention_kernel
+
+    class _NoWindows:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None if kw.get("REGIONS") == 2 else shipped[grid](*args, **kw)
+
+    def fn():
+        if not windows:
+            triton_attention._paged_attention_kernel = _NoWindows()
+        try:
+            attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
+                        out=out, workspace=workspace, validate=False, history=history)
+        finally:
+            triton_attention._paged_attention_kernel = shipped
+
+    return fn, out
+
+
+def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
+    import torch
+
+    from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
+    from oscarkv.kernels import reference
+    from oscarkv.kernels.ops import choose_splits
+
+    copy = copy_bandwidth_gbs(torch.device("cuda"))
+    names = variants.split(",")
+    for spec in shapes.split(","):
+        shape, _, forced = spec.partition(":")
+        batch, context = (int(x) for x in shape.split("x"))
+        case = decode_case(batch, context)
+        splits = int(forced) if forced else choose_splits(case.layer, batch, 1, 32, context, case.q.device)
+        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new,
+                                            128 ** -0.5).float()
+        steps = {name: _step(case, splits, name.rstrip("H"), windows=not name.endswith("H")) for name in names}
+        errors = {}
+        for name, (fn, out) in steps.items():
+            fn()
+            torch.cuda.synchronize()
+            errors[name] = (out.float() - ref).abs().max().item()
+        times = {name: [] for name in names}
+        for _ in range(3):
+            for name in names:
+                times[name].append(_time_us(steps[name][0]))
+        nbytes = decode_bytes(case, context)
+        line = f"{spec:>14} splits {splits:3d}:"
+        for name in names:
+            us = min(times[name])
+            line += (f"  {name} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%}, err {errors[name]:.1e}, "
+                     f"{min(times[names[0]]) / us:.2f}x)")
+        print(line + f"  [copy {copy:.0f} GB/s]", flush=True)
+        case = steps = ref = None
+        torch.cuda.empty_cache()
+
+
+def ncu_main(shape: str) -> None:
+    import torch
+
+    from oscarkv.benchmarks.attention import decode_case
+    from oscarkv.kernels.ops import choose_splits
+
+    batch, context = (int(x) for x in shape.split("x"))
+    case = decode_case(batch, context)
+    splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device)
+    for history in ("triton", "gluon"):
+        _step(case, splits, history)[0]()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, "scripts")
+    {"sass": sass_main, "gpu": gpu_main, "ncu": ncu_main}[sys.argv[1]](*sys.argv[2:])

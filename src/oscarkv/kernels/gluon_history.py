@@ -1,0 +1,96 @@
+"""The decode history launch in Gluon, for the common layout: half the tensor-core dots of the Triton kernel.
+
+What it computes is what the history splits of `triton_attention._paged_attention_kernel` (REGIONS=1) compute,
+written to the same partial outputs and log-sum-exps, so the window launch and `_combine_kernel` run unchanged:
+one program per (sequence, KV head, history split), one warp, an online softmax over the split's INT2 pages.
+
+Why Gluon. In the Triton kernel the query heads of a KV head (4 for Qwen3) are the rows of every m16n8k16 tile,
+16 rows of which 12 are padding: 132 dots per page of 64 tokens (D = 128). Here the heads are the tile's 8 columns
+and both dots run transposed:
+
+    scoresᵀ [64 tokens, 8 heads] = Σ_s codes_s [64, 16 words] · q_sᵀ [16, 8]          32 dots per page
+    outᵀ_s  [16 words, 8 heads] += codes_sᵀ [16, 64 tokens] · weightsᵀ [64, 8]        32 dots per page
+
+(s: the eight slices of a row's int16 words, `triton_attention._slice_layout`; codes enter the dots as float16
+units with the same bits, as there). That needs control over which thread holds which element, which Triton does
+not give (it moved the weights through shared memory, docs/data/head-columns-variant.patch) and Gluon does:
+
+- The order of tokens and of words inside a page is free (the dots sum over them), so every tile is loaded with
+  plain coalesced vector loads and relabelled into the mma fragments by reshapes and permutes that move no data
+  (`_key_tile`, `_value_tile`, `_page_rows`; each ends in a `convert_layout(..., assert_trivial=True)`, so the
+  compiler refuses any layout that would move data).
+- The score accumulator becomes the value dot's B operand by one `movmatrix` transpose per 8x8 block
+  (`_weights_operand`).
+
+Measured on the H200 (docs/kernels.md, fifty-first session): 754 SASS instructions per page in the loop against
+1097, 64 dots against 132, 163 registers (Triton 3.6, sm_90); one layer's decode step 1.05-1.22x faster at the
+benchmark shapes.
+
+Shared memory. The kernel needs none, but reserves RESERVED_SHARED_BYTES: a multiprocessor runs kernels of one
+shared-memory carve-out at a time, and with none reserved the driver picks a carve-out too small for the window
+programs (`triton_attention`, REGIONS=2), which then ran only after the history programs, 6-8 µs later per step.
+
+Scope (`takes`): decode (one new token per sequence), INT2 uniform levels for keys and values, D = 128 in one
+group, pages of 64 tokens, at most 8 query heads per KV head, no sliding window (key shifts are in), CUDA compute
+capability 8.0 or later, and Triton 3.6 or later (Gluon's API moves between releases: 3.6 and 3.9 are tested).
+Anything else takes the Triton kernel. Gluon
+kernels do not run in the CPU interpreter: the CPU suite compiles this one for sm_90 (`compile_check`), and the
+GPU suite tests it against the torch reference (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+
+HistoryKernel = Literal["auto", "triton", "gluon"]  # a decode history launch's kernel (`launch_attention`)
+HISTORY_KERNELS = ("auto", "triton", "gluon")
+
+PAGE = 64  # tokens per page the kernel is written for
+HEAD_DIM = 128
+MAX_GROUP = 8  # query heads per KV head: the 8 columns of the m16n8k16 tile
+REGISTER_CAP = 168  # 163 uncapped; the cap of `ops.HISTORY_REGISTERS_BESIDE_WINDOWS`, for the window programs
+RESERVED_SHARED_BYTES = 16384  # see the module docstring (4 KB was not enough on the H200, 16 KB was)
+
+
+MIN_TRITON = (3, 6)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this Triton is recent enough (MIN_TRITON) and has the Gluon features the kernel uses."""
+    try:
+        import triton
+
+        if tuple(int(part) for part in triton.__version__.split(".")[:2]) < MIN_TRITON:
+            return False
+        from . import gluon_history_kernel  # noqa: F401
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return True
+
+
+def takes(layer, batch, query_heads: int, window: int, device: torch.device) -> bool:
+    """Whether a decode step's history launch can run the Gluon kernel (see the module docstring)."""
+    lay = layer.layout
+    return (device.type == "cuda" and batch.max_new == 1 and window == 0
+            and lay.head_dim == HEAD_DIM and lay.groups == 1 and lay.key_bits == 2 and lay.value_bits == 2
+            and lay.key_inner is None and lay.value_inner is None and lay.page_size == PAGE
+            and query_heads % lay.kv_heads == 0 and query_heads // lay.kv_heads <= MAX_GROUP
+            and torch.cuda.get_device_capability(device.index or 0) >= (8, 0) and available())
+
+
+def launch(grid: tuple[int, int], args: tuple, query_heads: int, kv_heads: int, sink: int, recent: int,
+           num_splits: int, window_splits: int, overlap: int, shift_block: int, options: dict) -> None:
+    """The history splits window_splits..num_splits-1 of a decode step; args: `launch_attention`'s argument tuple
+    (the kernel's signature begins with the Triton kernel's); overlap: its OVERLAP (0, 1 or 2); shift_block: the
+    layer's key-shift block (0: no key shifts)."""
+    from .gluon_history_kernel import history_kernel
+    from .hardware import register_cap_supported
+
+    cap = dict(maxnreg=REGISTER_CAP) if register_cap_supported() else {}
+    history_kernel[grid](*args, HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=num_splits,
+                         WS=window_splits, OVERLAP=overlap, RESERVED_WORDS=RESERVED_SHARED_BYTES // 4,
+                         KEY_SHIFTS=shift_block > 0, SHIFT_BLOCK=max(shift_block, 1), num_warps=1, **cap, **options)
