@@ -136,7 +136,7 @@ def test_bench_attention_table_names_both_sdpa_baselines(monkeypatch, capsys):
     from oscarkv.benchmarks import attention
 
     row = attention.AttentionResult(256, 4000, 366.1, 115.0, 366.1 / 115.0, 1, 1, 1.0, 1175.0, 0.277, 4244.0, 2e-4,
-                                    1e-2, 4, "flash", None, None, 44.6, 44.6 / 115.0, 190.7, 190.7 / 115.0)
+                                    1e-2, 4, "flash", None, None, 44.6, 44.6 / 115.0, 190.7, 190.7 / 115.0, "gluon")
     write = attention.WriteResult(32768, 36.0, 9.1e8, 1, 1171.0, 0.28, None, 116.0)
     monkeypatch.setattr(attention, "run", lambda *args: {
         "device": "GPU", "copy_bandwidth_gbs": 4244.0, "layer": {}, "decode": [asdict(row)], "write": asdict(write),
@@ -147,6 +147,7 @@ def test_bench_attention_table_names_both_sdpa_baselines(monkeypatch, capsys):
     assert "SDPA us" in header and "SDPA* us" in header and "speedup*" in header
     values = next(line for line in out if line.split()[:2] == ["256", "4000"]).split()
     assert values[2:7] == ["366.1", "115.0", "3.18x", "190.7", "1.66x"]
+    assert header.split()[-1] == "history" and values[-1] == "gluon"  # which decode history kernel ran
     assert any("SDPA* us: SDPA with its own backend choice" in line for line in out)
 
 

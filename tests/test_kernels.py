@@ -879,6 +879,7 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
     assert result.sdpa_gap <= 2e-2  # BF16 SDPA output vs the kernel's, same contents
     # SDPA with its own backend choice is timed too (here the flash backend is unavailable: the same figure)
     assert result.sdpa_any_backend_us == 1.0 and result.speedup_over_fastest_sdpa == 1.0
+    assert result.history_kernel == "triton"  # head_dim 64 is outside the Gluon kernel's scope (and so is the CPU)
     history = 2 * (700 - 64 - 256) // 64 * 64  # tokens in pages, both sequences
     assert result.int2_bytes > history * 2 * (16 + 4) and result.sdpa_bytes == 2 * 2 * 700 * 64 * 2 + 2 * 2 * 4 * 64 * 2
 

@@ -24,6 +24,7 @@ from ..cache.paged import PagedKVCache, PagedLayer, PagedLayout, StepBatch
 from ..errors import OscarError
 from . import require_cuda
 from ..kernels import reference
+from ..kernels import gluon_history
 from ..kernels.ops import RotationPieces, attend_step, choose_splits, rotation_pieces, write_step
 
 DEFAULT_SHAPES = ((1, 8192), (1, 32768), (1, 65536), (1, 131072), (32, 8192), (32, 32768))
@@ -88,6 +89,7 @@ class AttentionResult:
     # 256x4K, flash 366 µs against 191), and the INT2 kernel's speed-up over the faster of the two.
     sdpa_any_backend_us: float | None = None
     speedup_over_fastest_sdpa: float | None = None
+    history_kernel: str | None = None  # the decode history launch's kernel: "gluon" (`gluon_history`) or "triton"
 
 
 @dataclass
@@ -262,7 +264,8 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     return AttentionResult(batch, context, sdpa_us, int2_us, sdpa_us / int2_us, sdpa_bytes, int2_bytes,
                            sdpa_bytes / sdpa_us / 1e3, int2_gbs, int2_gbs / copy_gbs, copy_gbs, error, sdpa_gap,
                            splits, backend, lloyd_us, lloyd_error, copy_us, copy_us / int2_us, sdpa_any_us,
-                           min(sdpa_us, sdpa_any_us) / int2_us)
+                           min(sdpa_us, sdpa_any_us) / int2_us,
+                           "gluon" if gluon_history.takes(layer, step, query_heads, 0, device) else "triton")
 
 
 def _sdpa_flash(q, k, v):
