@@ -1,6 +1,6 @@
 """Developer tool: the Gluon decode history kernel (`oscarkv.kernels.gluon_history`) against the Triton one.
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/probe_gluon_history.py sass      # no GPU: sm_90 SASS counts
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/probe_gluon_history.py sass [shifts]  # no GPU: sm_90 SASS
     PYTHONPATH=src python scripts/probe_gluon_history.py gpu 1x131072,32x32768[:SPLITS] [triton,gluon,tritonH,gluonH]
     ncu --kernel-name regex:"history_kernel|_paged_attention" ... python scripts/probe_gluon_history.py ncu 1x131072
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 
-def sass_main() -> None:
+def sass_main(shifts: str = "") -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -25,7 +25,7 @@ def sass_main() -> None:
     from oscarkv.kernels.gluon_history_kernel import history_kernel
 
     constexprs = dict(HQ=32, HKV=8, S=64, R=256, NUM_SPLITS=17, WS=1, OVERLAP=1,
-                      RESERVED_WORDS=RESERVED_SHARED_BYTES // 4)
+                      RESERVED_WORDS=RESERVED_SHARED_BYTES // 4, KEY_SHIFTS=shifts == "shifts", SHIFT_BLOCK=1024)
     signature = {n: "constexpr" if n in constexprs else ATTENTION_TYPES[n] for n in history_kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(history_kernel.arg_names)
              if signature[n].startswith("*")}
