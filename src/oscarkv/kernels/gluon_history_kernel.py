@@ -26,6 +26,13 @@ def _masked_units(w, MASK: gl.constexpr):
 
 
 @gluon.jit
+def _slice_units(w, high, s: gl.constexpr):
+    """INT2 slice s of the word tile w as float16 units: field s % 4 of the low bytes (w) or, for s >= 4, of the
+    high bytes (high = `_high_bytes(w)`), as `triton_attention._slice_codes` reads it."""
+    return _masked_units(w if s < 4 else high, 3 << (2 * (s % 4)))
+
+
+@gluon.jit
 def _high_bytes(w):
     """w >> 8 per int16 word (only the low 8 bits of the result are used, `_masked_units`)."""
     return gl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [w], dtype=gl.int16, is_pure=True, pack=2)
@@ -231,14 +238,14 @@ def history_kernel(
         ka = gl.convert_layout(_key_tile(kwords), A, assert_trivial=True)
         kh = _high_bytes(ka)
         d = gl.zeros([64, 8], gl.float32, MMA)
-        d = mma_v2(_masked_units(ka, 3), qs0, d)
-        d = mma_v2(_masked_units(ka, 12), qs1, d)
-        d = mma_v2(_masked_units(ka, 48), qs2, d)
-        d = mma_v2(_masked_units(ka, 192), qs3, d)
-        d = mma_v2(_masked_units(kh, 3), qs4, d)
-        d = mma_v2(_masked_units(kh, 12), qs5, d)
-        d = mma_v2(_masked_units(kh, 48), qs6, d)
-        d = mma_v2(_masked_units(kh, 192), qs7, d)
+        d = mma_v2(_slice_units(ka, kh, 0), qs0, d)
+        d = mma_v2(_slice_units(ka, kh, 1), qs1, d)
+        d = mma_v2(_slice_units(ka, kh, 2), qs2, d)
+        d = mma_v2(_slice_units(ka, kh, 3), qs3, d)
+        d = mma_v2(_slice_units(ka, kh, 4), qs4, d)
+        d = mma_v2(_slice_units(ka, kh, 5), qs5, d)
+        d = mma_v2(_slice_units(ka, kh, 6), qs6, d)
+        d = mma_v2(_slice_units(ka, kh, 7), qs7, d)
         scores = k_scale[:, None] * (d - k_zero[:, None] * q_sum[None, :]) + gl.where(page_ok, 0.0, float("-inf"))
         if KEY_SHIFTS:  # `triton_attention._score_shift`: the term of the page's block, in units of the dots
             block = gl.minimum((S + index * P) // SHIFT_BLOCK, num_blocks - 1)
@@ -268,14 +275,14 @@ def history_kernel(
         wb = _weights_operand(weight, B)
         va = gl.convert_layout(_value_tile(vwords), A, assert_trivial=True)
         vh = _high_bytes(va)
-        acc0 = mma_v2(_masked_units(va, 3), wb, acc0)
-        acc1 = mma_v2(_masked_units(va, 12), wb, acc1)
-        acc2 = mma_v2(_masked_units(va, 48), wb, acc2)
-        acc3 = mma_v2(_masked_units(va, 192), wb, acc3)
-        acc4 = mma_v2(_masked_units(vh, 3), wb, acc4)
-        acc5 = mma_v2(_masked_units(vh, 12), wb, acc5)
-        acc6 = mma_v2(_masked_units(vh, 48), wb, acc6)
-        acc7 = mma_v2(_masked_units(vh, 192), wb, acc7)
+        acc0 = mma_v2(_slice_units(va, vh, 0), wb, acc0)
+        acc1 = mma_v2(_slice_units(va, vh, 1), wb, acc1)
+        acc2 = mma_v2(_slice_units(va, vh, 2), wb, acc2)
+        acc3 = mma_v2(_slice_units(va, vh, 3), wb, acc3)
+        acc4 = mma_v2(_slice_units(va, vh, 4), wb, acc4)
+        acc5 = mma_v2(_slice_units(va, vh, 5), wb, acc5)
+        acc6 = mma_v2(_slice_units(va, vh, 6), wb, acc6)
+        acc7 = mma_v2(_slice_units(va, vh, 7), wb, acc7)
         kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw, page_ok = n_kwords, n_vwords, n_ks, n_kz, n_vs, n_vz, n_ok
         next_page = page_after
 
