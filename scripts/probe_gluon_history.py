@@ -1,31 +1,33 @@
 """Developer tool: the Gluon decode history kernel (`oscarkv.kernels.gluon_history`) against the Triton one.
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/probe_gluon_history.py sass [shifts]  # no GPU: sm_90 SASS
-    PYTHONPATH=src python scripts/probe_gluon_history.py gpu 1x131072,32x32768[:SPLITS] [triton,gluon,tritonH,gluonH]
-    ncu --kernel-name regex:"history_kernel|_paged_attention" ... python scripts/probe_gluon_history.py ncu 1x131072
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/probe_gluon_history.py sass [shifts] [STAGES]  # no GPU: sm_90
+    PYTHONPATH=src python scripts/probe_gluon_history.py gpu 1x131072,32x32768[:SPLITS] [triton,gluon,gluon@3,gluonH]
+    ncu --kernel-name regex:"history_kernel|_paged_attention" ... python scripts/probe_gluon_history.py ncu 1x131072 \
+        [triton,gluon]
 
 `sass` compiles the kernel for sm_90 with the installed Triton (use 3.6 for the GPU machine's figures) and counts
 the instructions of its page loop by opcode, registers and shared memory. `gpu` times one decode step
 (`ops.attend_step`, best of three CUDA-graph timings, the variants alternating) with each history kernel, against
 the torch reference; a trailing H drops the window launch (the history launch and the combine alone, a wrong
-answer). `ncu` runs one step with each kernel, no graph, for Nsight Compute."""
+answer); gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`. `ncu` runs one step
+with each variant, no graph, for Nsight Compute."""
 from __future__ import annotations
 
 import sys
 
 
-def sass_main(shifts: str = "") -> None:
+def sass_main(shifts: str = "", stages: str = "") -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from count_history_instructions import count, disassemble, loop_spans
     from oscarkv.kernels.compile_check import ATTENTION_TYPES
-    from oscarkv.kernels.gluon_history import REGISTER_CAP, RESERVED_SHARED_BYTES
+    from oscarkv.kernels.gluon_history import REGISTER_CAP, STAGES
     from oscarkv.kernels.gluon_history_kernel import history_kernel
 
     constexprs = dict(HQ=32, HKV=8, S=64, R=256, NUM_SPLITS=17, WS=1, OVERLAP=1,
-                      RESERVED_WORDS=RESERVED_SHARED_BYTES // 4, KEY_SHIFTS=shifts == "shifts", SHIFT_BLOCK=1024)
+                      KEY_SHIFTS=shifts == "shifts", SHIFT_BLOCK=1024, STAGES=int(stages or STAGES))
     signature = {n: "constexpr" if n in constexprs else ATTENTION_TYPES[n] for n in history_kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(history_kernel.arg_names)
              if signature[n].startswith("*")}
@@ -46,11 +48,15 @@ def _step(case, splits: int, history: str, windows: bool = True):
     from oscarkv.kernels import triton_attention
     from oscarkv.kernels.ops import attend_step
 
+    from oscarkv.kernels import gluon_history
+
+    history, _, stages = history.partition("@")  # gluon@N: N shared-memory slots of staged pages
     out = torch.zeros_like(case.q)
     batch = case.q.shape[0]
     workspace = (torch.empty(batch, 32, splits, 128, dtype=torch.float32, device=case.q.device),
                  torch.empty(batch, 32, splits, dtype=torch.float32, device=case.q.device))
     shipped = triton_attention._paged_attention_kernel
+    default_stages = gluon_history.STAGES
 
     class _NoWindows:
         def __getitem__(self, grid):
@@ -59,11 +65,13 @@ def _step(case, splits: int, history: str, windows: bool = True):
     def fn():
         if not windows:
             triton_attention._paged_attention_kernel = _NoWindows()
+        gluon_history.STAGES = int(stages or default_stages)
         try:
             attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
                         out=out, workspace=workspace, validate=False, history=history)
         finally:
             triton_attention._paged_attention_kernel = shipped
+            gluon_history.STAGES = default_stages
 
     return fn, out
 
@@ -105,7 +113,7 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
         torch.cuda.empty_cache()
 
 
-def ncu_main(shape: str) -> None:
+def ncu_main(shape: str, variants: str = "triton,gluon") -> None:
     import torch
 
     from oscarkv.benchmarks.attention import decode_case
@@ -114,7 +122,7 @@ def ncu_main(shape: str) -> None:
     batch, context = (int(x) for x in shape.split("x"))
     case = decode_case(batch, context)
     splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device)
-    for history in ("triton", "gluon"):
+    for history in variants.split(","):
         _step(case, splits, history)[0]()
     torch.cuda.synchronize()
 

@@ -483,6 +483,9 @@ def test_gluon_history_scope(monkeypatch):
     assert not gluon_history.takes(run.layer, decode, 8, 0, torch.device("cpu"))
     assert not gluon_history.takes(run.layer, decode, 8, 100, cuda)  # a sliding window
     assert not gluon_history.takes(run.layer, replace(decode, max_new=2), 8, 0, cuda)  # an extend step
+    scales = run.layer.k_scale
+    unaligned = torch.empty(scales.numel() + 1, dtype=scales.dtype)[1:].view(scales.shape)  # 2 bytes off
+    assert not gluon_history.takes(replace(run.layer, k_scale=unaligned), decode, 8, 0, cuda)  # no 16-byte copies
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (7, 5))
     assert not gluon_history.takes(run.layer, decode, 8, 0, cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))

@@ -201,8 +201,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             for shifted in (False, True):
                 jobs.append((history_kernel, ATTENTION_TYPES,
                              dict(HQ=hq, HKV=hkv, S=sink, R=recent, NUM_SPLITS=17, WS=4, OVERLAP=int(pdl),
-                                  RESERVED_WORDS=gluon_history.RESERVED_SHARED_BYTES // 4, KEY_SHIFTS=shifted,
-                                  SHIFT_BLOCK=1024), dict(num_warps=1, **cap)))
+                                  KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, STAGES=gluon_history.STAGES),
+                             dict(num_warps=1, aligned=True, **cap)))  # its page copies need 16-byte alignment
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

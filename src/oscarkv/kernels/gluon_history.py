@@ -15,24 +15,31 @@ and both dots run transposed:
 units with the same bits, as there). That needs control over which thread holds which element, which Triton does
 not give (it moved the weights through shared memory, docs/data/head-columns-variant.patch) and Gluon does:
 
-- The order of tokens and of words inside a page is free (the dots sum over them), so every tile is loaded with
-  plain coalesced vector loads and relabelled into the mma fragments by reshapes and permutes that move no data
+- The order of tokens and of words inside a page is free (the dots sum over them), so every tile is read with
+  plain vector loads and relabelled into the mma fragments by reshapes and permutes that move no data
   (`_key_tile`, `_value_tile`, `_page_rows`; each ends in a `convert_layout(..., assert_trivial=True)`, so the
   compiler refuses any layout that would move data).
+- Pages are staged through shared memory: cp.async copies the next page into a second slot while the warp reads
+  the current one (STAGES slots), in layouts whose reads are free of bank conflicts (KEY_SMEM, VALUE_SMEM). Loaded
+  into registers one page ahead instead (the fifty-first session's kernel), the loads took 38 more registers and
+  the compiler issued them half-way through the page before, so the warp waited for them: Nsight Compute put a
+  quarter of the stalls on long scoreboards, one instruction after the block-table load holding a fifth.
 - The score accumulator becomes the value dot's B operand by one `movmatrix` transpose per 8x8 block
   (`_weights_operand`).
 
-Measured on the H200 (docs/kernels.md, fifty-first session): 754 SASS instructions per page in the loop against
-1097, 64 dots against 132, 163 registers (Triton 3.6, sm_90); one layer's decode step 1.05-1.22x faster at the
-benchmark shapes.
+Measured on the H200 (docs/kernels.md, fifty-first and fifty-second sessions): 749 SASS instructions per page in
+the loop against 1097, 64 dots against 132, 125 registers (Triton 3.6, sm_90); one layer's decode step 1.13-1.27x
+faster than with the Triton kernel at the benchmark shapes. Staging deeper (3, 4 or 6 slots) was slower.
 
-Shared memory. The kernel needs none, but reserves RESERVED_SHARED_BYTES: a multiprocessor runs kernels of one
-shared-memory carve-out at a time, and with none reserved the driver picks a carve-out too small for the window
-programs (`triton_attention`, REGIONS=2), which then ran only after the history programs, 6-8 µs later per step.
+Shared memory and the window programs. A multiprocessor runs kernels of one shared-memory carve-out at a time;
+the register-prefetch kernel used none, the driver then picked a carve-out with no room for the window programs
+(`triton_attention`, REGIONS=2), and they ran after the history programs, 6-8 µs later per step; it reserved 16 KB
+it did not use. With 9 KB of staged pages per program the carve-out has room, and reserving more was as fast or
+slower (docs/data/decode-h200-s52.txt).
 
 Scope (`takes`): decode (one new token per sequence), INT2 uniform levels for keys and values, D = 128 in one
-group, pages of 64 tokens, at most 8 query heads per KV head, no sliding window (key shifts are in), CUDA compute
-capability 8.0 or later, and Triton 3.6 or later (Gluon's API moves between releases: 3.6 and 3.9 are tested).
+group, pages of 64 tokens, at most 8 query heads per KV head, no sliding window (key shifts are in), page tensors
+at 16-byte aligned addresses (as the cache allocates them), CUDA compute capability 8.0 or later, and Triton 3.6 or later (Gluon's API moves between releases: 3.6 and 3.9 are tested).
 Anything else takes the Triton kernel. Gluon
 kernels do not run in the CPU interpreter: the CPU suite compiles this one for sm_90 (`compile_check`), and the
 GPU suite tests it against the torch reference (tests/test_kernels.py).
@@ -51,8 +58,8 @@ HISTORY_KERNELS = ("auto", "triton", "gluon")
 PAGE = 64  # tokens per page the kernel is written for
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head: the 8 columns of the m16n8k16 tile
-REGISTER_CAP = 168  # 163 uncapped; the cap of `ops.HISTORY_REGISTERS_BESIDE_WINDOWS`, for the window programs
-RESERVED_SHARED_BYTES = 16384  # see the module docstring (4 KB was not enough on the H200, 16 KB was)
+REGISTER_CAP = 168  # 125 uncapped; the cap of `ops.HISTORY_REGISTERS_BESIDE_WINDOWS`, for the window programs
+STAGES = 2  # shared-memory slots of staged pages: STAGES - 1 pages in flight while one is read (see above)
 
 
 MIN_TRITON = (3, 6)
@@ -79,6 +86,8 @@ def takes(layer, batch, query_heads: int, window: int, device: torch.device) -> 
             and lay.head_dim == HEAD_DIM and lay.groups == 1 and lay.key_bits == 2 and lay.value_bits == 2
             and lay.key_inner is None and lay.value_inner is None and lay.page_size == PAGE
             and query_heads % lay.kv_heads == 0 and query_heads // lay.kv_heads <= MAX_GROUP
+            and all(t.data_ptr() % 16 == 0 for t in (layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes,
+                                                      layer.v_scale, layer.v_zero))  # 16-byte copies (cp.async)
             and torch.cuda.get_device_capability(device.index or 0) >= (8, 0) and available())
 
 
@@ -92,5 +101,5 @@ def launch(grid: tuple[int, int], args: tuple, query_heads: int, kv_heads: int, 
 
     cap = dict(maxnreg=REGISTER_CAP) if register_cap_supported() else {}
     history_kernel[grid](*args, HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=num_splits,
-                         WS=window_splits, OVERLAP=overlap, RESERVED_WORDS=RESERVED_SHARED_BYTES // 4,
-                         KEY_SHIFTS=shift_block > 0, SHIFT_BLOCK=max(shift_block, 1), num_warps=1, **cap, **options)
+                         WS=window_splits, OVERLAP=overlap, KEY_SHIFTS=shift_block > 0, SHIFT_BLOCK=max(shift_block, 1), STAGES=STAGES, num_warps=1,
+                         **cap, **options)

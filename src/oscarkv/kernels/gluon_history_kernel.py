@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# Gluon's names moved between releases (3.6: async_copy_global_to_shared, thread_barrier; 3.9: async_load, barrier)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_warp_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 WORDS: gl.constexpr = gl.constexpr(16)  # int16 words per row of INT2 codes at D = 128
 
@@ -116,15 +120,21 @@ def _store_slice(acc, z, l_safe, v_unit, part_o_ptr, part_row, row_ok, s: gl.con
 
 
 @gluon.jit
-def _load_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, key_at, value_at, row_at,
-               HKV: gl.constexpr, P: gl.constexpr):
-    """One history page's key and value words, scales and zeros, as loaded, and whether its id is valid (an id
-    out of range reads page 0, and the caller masks its scores)."""
+def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf, kzbuf, vsbuf,
+                vzbuf, stage, key_copy, value_copy, row_at, live, HKV: gl.constexpr, P: gl.constexpr):
+    """Start copying one history page (codes, scales and zeros) into shared-memory slot `stage`, one commit group
+    (empty where not `live`); returns whether its id is valid (an id out of range reads page 0, and the caller masks
+    its scores)."""
     page_ok = (page >= 0) & (page < num_pages)
     row0 = (gl.where(page_ok, page, 0).to(gl.int64) * HKV + h) * P
-    return (gl.load(kc16 + row0 * WORDS + key_at), gl.load(vc16 + row0 * WORDS + value_at),
-            gl.load(ks_ptr + row0 + row_at), gl.load(kz_ptr + row0 + row_at), gl.load(vs_ptr + row0 + row_at),
-            gl.load(vz_ptr + row0 + row_at), page_ok)
+    _async_load(kbuf.index(stage), kc16 + row0 * WORDS + key_copy, mask=live)
+    _async_load(vbuf.index(stage), vc16 + row0 * WORDS + value_copy, mask=live)
+    _async_load(ksbuf.index(stage), ks_ptr + row0 + row_at, mask=live)
+    _async_load(kzbuf.index(stage), kz_ptr + row0 + row_at, mask=live)
+    _async_load(vsbuf.index(stage), vs_ptr + row0 + row_at, mask=live)
+    _async_load(vzbuf.index(stage), vz_ptr + row0 + row_at, mask=live)
+    async_copy.commit_group()
+    return page_ok
 
 
 @gluon.jit
@@ -135,13 +145,13 @@ def history_kernel(
         sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
         qk_scale, window, shift_ptr, num_blocks, k_kappa, k_unit, v_kappa, v_unit,
         HQ: gl.constexpr, HKV: gl.constexpr, S: gl.constexpr, R: gl.constexpr, NUM_SPLITS: gl.constexpr,
-        WS: gl.constexpr, OVERLAP: gl.constexpr = 0, RESERVED_WORDS: gl.constexpr = 0,
-        KEY_SHIFTS: gl.constexpr = False, SHIFT_BLOCK: gl.constexpr = 1):
+        WS: gl.constexpr, OVERLAP: gl.constexpr = 0, KEY_SHIFTS: gl.constexpr = False,
+        SHIFT_BLOCK: gl.constexpr = 1, STAGES: gl.constexpr = 2):
     """History splits WS..NUM_SPLITS-1 of a decode step; grid (sequences x KV heads, NUM_SPLITS - WS), one warp.
     The arguments are those of `triton_attention._paged_attention_kernel` (the unused ones included, so that both
     take one argument tuple); OVERLAP, KEY_SHIFTS and SHIFT_BLOCK as there (with key shifts, shift_ptr holds the
     score terms q·shift of `triton_attention.score_shift_terms`, one per query row and block, added to the page's
-    scores). RESERVED_WORDS: 32-bit words of shared memory to reserve (`gluon_history.RESERVED_SHARED_BYTES`)."""
+    scores). STAGES: shared-memory slots of staged pages (`gluon_history.STAGES`, at least 2)."""
     D: gl.constexpr = 128
     P: gl.constexpr = 64
     G: gl.constexpr = HQ // HKV
@@ -159,14 +169,24 @@ def history_kernel(
     ROW_LOAD: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[],
         shape=[64])
+    # Shared-memory layouts of a staged page [row, word] (offset bit i holds the listed coordinate) whose reads in
+    # KEY_LOAD / VALUE_LOAD are free of bank conflicts (the lanes of one read cover all 32 banks), and the layouts of
+    # the copies into them (16-byte pieces).
+    KEY_SMEM: gl.constexpr = gl.SharedLinearLayout(offset_bases=[
+        [0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0], [1, 0], [2, 0], [4, 0], [32, 0]])
+    VALUE_SMEM: gl.constexpr = gl.SharedLinearLayout(offset_bases=[
+        [0, 1], [0, 2], [0, 4], [0, 8], [16, 0], [32, 0], [1, 0], [2, 0], [4, 0], [8, 0]])
+    KEY_COPY: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [32, 0]], lane_bases=[[0, 8], [8, 0], [16, 0], [2, 0], [4, 0]],
+        warp_bases=[], block_bases=[], shape=[64, 16])
+    VALUE_COPY: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0]], lane_bases=[[0, 8], [16, 0], [32, 0], [1, 0], [2, 0]],
+        warp_bases=[], block_bases=[], shape=[64, 16])
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     HEADS: gl.constexpr = gl.SliceLayout(0, MMA)
 
     if OVERLAP >= 1:
         _grid_dependency("griddepcontrol.launch_dependents;")
-    if RESERVED_WORDS > 0:
-        reserved = gl.allocate_shared_memory(gl.int32, [RESERVED_WORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        reserved.slice(0, 32).store(gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HKV
@@ -200,10 +220,6 @@ def history_kernel(
     row_ok = (n < G) & (count > 0)
     q_row = start.to(gl.int64) * HQ + h * G + n
 
-    key_at = (gl.arange(0, 64, layout=gl.SliceLayout(1, KEY_LOAD))[:, None] * WORDS
-              + gl.arange(0, WORDS, layout=gl.SliceLayout(0, KEY_LOAD))[None, :])
-    value_at = (gl.arange(0, 64, layout=gl.SliceLayout(1, VALUE_LOAD))[:, None] * WORDS
-                + gl.arange(0, WORDS, layout=gl.SliceLayout(0, VALUE_LOAD))[None, :])
     row_at = gl.arange(0, 64, layout=ROW_LOAD)
     kc16 = kc_ptr.to(gl.pointer_type(gl.int16))
     vc16 = vc_ptr.to(gl.pointer_type(gl.int16))
@@ -220,16 +236,45 @@ def history_kernel(
     acc6 = gl.zeros([WORDS, 8], gl.float32, MMA)
     acc7 = gl.zeros([WORDS, 8], gl.float32, MMA)
     bt_row = bt_ptr + slot.to(gl.int64) * bt_stride
-    # Software pipeline by hand (Gluon does not pipeline): a page's data is loaded one page ahead, its id two.
+    # Software pipeline by hand (Gluon does not pipeline): page data copied into shared memory STAGES - 1 pages
+    # ahead (cp.async, one commit group per page), page ids one page further.
+    kbuf = gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], KEY_SMEM)
+    vbuf = gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], VALUE_SMEM)
+    ROW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    ksbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
+    kzbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
+    vsbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
+    vzbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
+    key_copy = (gl.arange(0, 64, layout=gl.SliceLayout(1, KEY_COPY))[:, None] * WORDS
+                + gl.arange(0, WORDS, layout=gl.SliceLayout(0, KEY_COPY))[None, :])
+    value_copy = (gl.arange(0, 64, layout=gl.SliceLayout(1, VALUE_COPY))[:, None] * WORDS
+                  + gl.arange(0, WORDS, layout=gl.SliceLayout(0, VALUE_COPY))[None, :])
     last = gl.maximum(hi - 1, 0)
-    kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw, page_ok = _load_page(
-        gl.load(bt_row + gl.minimum(lo, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, key_at,
-        value_at, row_at, HKV, P)
-    next_page = gl.load(bt_row + gl.minimum(lo + 1, last))
+    oks = 0  # bit j: whether the id of page index + j is valid
+    for j in gl.static_range(STAGES - 1):
+        ok = _stage_page(gl.load(bt_row + gl.minimum(lo + j, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr,
+                         vs_ptr, vz_ptr, kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf, j, key_copy, value_copy, row_at,
+                         lo + j < hi, HKV, P)
+        oks = oks | (ok.to(gl.int32) << j)
+    ahead = gl.load(bt_row + gl.minimum(lo + STAGES - 1, last))
     for index in range(lo, hi):
-        page_after = gl.load(bt_row + gl.minimum(index + 2, last))
-        n_kwords, n_vwords, n_ks, n_kz, n_vs, n_vz, n_ok = _load_page(
-            next_page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, key_at, value_at, row_at, HKV, P)
+        i = index - lo
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of page index have landed
+        _warp_barrier()  # everyone's have, and everyone is done with the slot refilled below
+        ok = _stage_page(ahead, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf, kzbuf,
+                         vsbuf, vzbuf, (i + STAGES - 1) % STAGES, key_copy, value_copy, row_at,
+                         index + STAGES - 1 < hi, HKV, P)
+        oks = oks | (ok.to(gl.int32) << (STAGES - 1))
+        ahead = gl.load(bt_row + gl.minimum(index + STAGES, last))
+        at = i % STAGES
+        kwords = kbuf.index(at).load(KEY_LOAD)
+        vwords = vbuf.index(at).load(VALUE_LOAD)
+        ks_raw = ksbuf.index(at).load(ROW_LOAD)
+        kz_raw = kzbuf.index(at).load(ROW_LOAD)
+        vs_raw = vsbuf.index(at).load(ROW_LOAD)
+        vz_raw = vzbuf.index(at).load(ROW_LOAD)
+        page_ok = (oks & 1) != 0
+        oks = oks >> 1
         k_scale = gl.convert_layout(_page_rows(ks_raw), ROWS, assert_trivial=True).to(gl.float32)
         k_zero = gl.convert_layout(_page_rows(kz_raw), ROWS, assert_trivial=True).to(gl.float32)
         v_scale = gl.convert_layout(_page_rows(vs_raw), ROWS, assert_trivial=True).to(gl.float32)
@@ -283,8 +328,7 @@ def history_kernel(
         acc5 = mma_v2(_slice_units(va, vh, 5), wb, acc5)
         acc6 = mma_v2(_slice_units(va, vh, 6), wb, acc6)
         acc7 = mma_v2(_slice_units(va, vh, 7), wb, acc7)
-        kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw, page_ok = n_kwords, n_vwords, n_ks, n_kz, n_vs, n_vz, n_ok
-        next_page = page_after
+    async_copy.wait_group(0)
 
     l = gl.convert_layout(gl.sum(l_part, 0), HEADS)
     z = gl.convert_layout(gl.sum(z_part, 0), HEADS)
