@@ -10,7 +10,10 @@ the instructions of its page loop by opcode, registers and shared memory. `gpu` 
 (`ops.attend_step`, best of three CUDA-graph timings, the variants alternating) with each history kernel, against
 the torch reference; a trailing H drops the window launch (the history launch and the combine alone, a wrong
 answer); gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`. `ncu` runs one step
-with each variant, no graph, for Nsight Compute."""
+with each variant, no graph, for Nsight Compute. `reads` times a kernel that stages the same history pages through
+the same slots and splits and computes nothing, beside the step: the ceiling of the kernel's memory access pattern.
+
+    PYTHONPATH=src python scripts/probe_gluon_history.py reads 1x131072,32x32768[:SPLITS] [reads@2,reads@3,gluon]"""
 from __future__ import annotations
 
 import sys
@@ -113,6 +116,96 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
         torch.cuda.empty_cache()
 
 
+def _read_pages_kernel_fn():
+    """A Gluon kernel that stages a decode step's history pages exactly as `history_kernel` does (same grid, splits,
+    slots, copies and register layouts) and does no attention: the ceiling of its memory access pattern."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from oscarkv.kernels.gluon_history_kernel import (KEY_LOAD, ROW_LOAD, VALUE_LOAD, _page_slots, _stage_page,
+                                                      _staged_page, _warp_barrier, async_copy)
+
+    @gluon.jit
+    def read_pages(slots_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, out_ptr,
+                   history_pages, HKV: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr):
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        share = (history_pages + SPLITS - 1) // SPLITS
+        lo = split * share
+        hi = gl.minimum(lo + share, history_pages)
+        bt_row = bt_ptr + gl.load(slots_ptr + b).to(gl.int64) * bt_stride
+        kc16 = kc_ptr.to(gl.pointer_type(gl.int16))
+        vc16 = vc_ptr.to(gl.pointer_type(gl.int16))
+        slots = _page_slots(STAGES)
+        last = gl.maximum(hi - 1, 0)
+        for j in gl.static_range(STAGES - 1):
+            _stage_page(gl.load(bt_row + gl.minimum(lo + j, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr,
+                        vs_ptr, vz_ptr, slots, j, lo + j < hi, HKV, 64)
+        ahead = gl.load(bt_row + gl.minimum(lo + STAGES - 1, last))
+        key_sum = gl.zeros([64, 16], gl.int16, KEY_LOAD)
+        value_sum = gl.zeros([64, 16], gl.int16, VALUE_LOAD)
+        row_sum = gl.zeros([64], gl.float16, ROW_LOAD)
+        for index in range(lo, hi):
+            i = index - lo
+            async_copy.wait_group(STAGES - 2)
+            _warp_barrier()
+            _stage_page(ahead, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots,
+                        (i + STAGES - 1) % STAGES, index + STAGES - 1 < hi, HKV, 64)
+            ahead = gl.load(bt_row + gl.minimum(index + STAGES, last))
+            kwords, vwords, ks, kz, vs, vz = _staged_page(slots, i % STAGES)
+            key_sum = key_sum ^ kwords
+            value_sum = value_sum ^ vwords
+            row_sum = row_sum + ks + kz + vs + vz
+        async_copy.wait_group(0)
+        total = (gl.sum(gl.sum(key_sum.to(gl.int32), 1), 0) + gl.sum(gl.sum(value_sum.to(gl.int32), 1), 0)
+                 + gl.sum(row_sum.to(gl.float32), 0).to(gl.int32))
+        gl.store(out_ptr + pid * SPLITS + split, total)
+
+    return read_pages
+
+
+def reads_main(shapes: str, variants: str = "reads@2,reads@3,reads@4,gluon") -> None:
+    """The decode step with the Gluon kernel (gluon) against the page reads alone (reads@N: N slots), same splits."""
+    import torch
+
+    from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_case
+    from oscarkv.kernels.ops import choose_splits, window_split_count
+
+    read_pages = _read_pages_kernel_fn()
+    copy = copy_bandwidth_gbs(torch.device("cuda"))
+    for spec in shapes.split(","):
+        shape, _, forced = spec.partition(":")
+        batch, context = (int(x) for x in shape.split("x"))
+        case = decode_case(batch, context)
+        layer, lay = case.layer, case.layer.layout
+        splits = int(forced) if forced else choose_splits(layer, batch, 1, 32, context, case.q.device)
+        history_splits = splits - window_split_count(layer, batch, 1, 32, splits, context, case.q.device)
+        pages = (lay.history_end(context) - lay.sink_tokens) // lay.page_size
+        nbytes = batch * lay.kv_heads * pages * lay.page_size * lay.history_bytes_per_token()
+        out = torch.zeros(batch * lay.kv_heads * history_splits, dtype=torch.int32, device=case.q.device)
+        line = f"{spec:>14} splits {splits:3d} ({history_splits} history, {pages} pages):"
+        for name in variants.split(","):
+            if name.startswith("reads"):
+                stages = int(name.partition("@")[2] or 2)
+
+                def fn(stages=stages):
+                    read_pages[(batch * lay.kv_heads, history_splits)](
+                        case.step.slots, case.step.block_table, case.step.block_table.stride(0), layer.num_pages,
+                        layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero, out,
+                        pages, HKV=lay.kv_heads, SPLITS=history_splits, STAGES=stages, num_warps=1)
+            else:
+                fn = _step(case, splits, name)[0]
+            fn()
+            torch.cuda.synchronize()
+            us = min(_time_us(fn) for _ in range(3))
+            line += f"  {name} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%})"
+        print(line + f"  [history bytes {nbytes / 1e6:.1f} MB, copy {copy:.0f} GB/s]", flush=True)
+        case = None
+        torch.cuda.empty_cache()
+
+
 def ncu_main(shape: str, variants: str = "triton,gluon") -> None:
     import torch
 
@@ -129,4 +222,4 @@ def ncu_main(shape: str, variants: str = "triton,gluon") -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, "scripts")
-    {"sass": sass_main, "gpu": gpu_main, "ncu": ncu_main}[sys.argv[1]](*sys.argv[2:])
+    {"sass": sass_main, "gpu": gpu_main, "ncu": ncu_main, "reads": reads_main}[sys.argv[1]](*sys.argv[2:])

@@ -20,6 +20,30 @@ _warp_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 WORDS: gl.constexpr = gl.constexpr(16)  # int16 words per row of INT2 codes at D = 128
 
+# The load layouts that `_key_tile`, `_value_tile` and `_page_rows` relabel (register, lane bases: [row, word]).
+KEY_LOAD: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], lane_bases=[[0, 4], [0, 8], [8, 0], [16, 0], [32, 0]],
+    warp_bases=[], block_bases=[], shape=[64, 16]))
+VALUE_LOAD: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0], [8, 0]], lane_bases=[[16, 0], [32, 0], [0, 2], [0, 4], [0, 8]],
+    warp_bases=[], block_bases=[], shape=[64, 16]))
+ROW_LOAD: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[],
+    shape=[64]))
+# Shared-memory layouts of a staged page [row, word] (offset bit i holds the listed coordinate) whose reads in
+# KEY_LOAD / VALUE_LOAD are free of bank conflicts (the lanes of one read cover all 32 banks), and the layouts of
+# the copies into them (16-byte pieces).
+KEY_SMEM: gl.constexpr = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0], [1, 0], [2, 0], [4, 0], [32, 0]]))
+VALUE_SMEM: gl.constexpr = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 1], [0, 2], [0, 4], [0, 8], [16, 0], [32, 0], [1, 0], [2, 0], [4, 0], [8, 0]]))
+KEY_COPY: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [32, 0]], lane_bases=[[0, 8], [8, 0], [16, 0], [2, 0], [4, 0]],
+    warp_bases=[], block_bases=[], shape=[64, 16]))
+VALUE_COPY: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0]], lane_bases=[[0, 8], [16, 0], [32, 0], [1, 0], [2, 0]],
+    warp_bases=[], block_bases=[], shape=[64, 16]))
+
 
 @gluon.jit
 def _masked_units(w, MASK: gl.constexpr):
@@ -120,11 +144,30 @@ def _store_slice(acc, z, l_safe, v_unit, part_o_ptr, part_row, row_ok, s: gl.con
 
 
 @gluon.jit
-def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf, kzbuf, vsbuf,
-                vzbuf, stage, key_copy, value_copy, row_at, live, HKV: gl.constexpr, P: gl.constexpr):
-    """Start copying one history page (codes, scales and zeros) into shared-memory slot `stage`, one commit group
-    (empty where not `live`); returns whether its id is valid (an id out of range reads page 0, and the caller masks
-    its scores)."""
+def _page_slots(STAGES: gl.constexpr):
+    """Shared memory for STAGES staged history pages: key words, value words, key scales, key zeros, value scales,
+    value zeros (9 KB per two slots)."""
+    ROW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    return (gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], KEY_SMEM),
+            gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], VALUE_SMEM),
+            gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM),
+            gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM),
+            gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM),
+            gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM))
+
+
+@gluon.jit
+def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots, stage, live,
+                HKV: gl.constexpr, P: gl.constexpr):
+    """Start copying one history page (codes, scales and zeros) into slot `stage` of `slots` (`_page_slots`), one
+    commit group (empty where not `live`); returns whether its id is valid (an id out of range reads page 0, and the
+    caller masks its scores)."""
+    kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf = slots
+    key_copy = (gl.arange(0, 64, layout=gl.SliceLayout(1, KEY_COPY))[:, None] * WORDS
+                + gl.arange(0, WORDS, layout=gl.SliceLayout(0, KEY_COPY))[None, :])
+    value_copy = (gl.arange(0, 64, layout=gl.SliceLayout(1, VALUE_COPY))[:, None] * WORDS
+                  + gl.arange(0, WORDS, layout=gl.SliceLayout(0, VALUE_COPY))[None, :])
+    row_at = gl.arange(0, 64, layout=ROW_LOAD)
     page_ok = (page >= 0) & (page < num_pages)
     row0 = (gl.where(page_ok, page, 0).to(gl.int64) * HKV + h) * P
     _async_load(kbuf.index(stage), kc16 + row0 * WORDS + key_copy, mask=live)
@@ -135,6 +178,15 @@ def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, 
     _async_load(vzbuf.index(stage), vz_ptr + row0 + row_at, mask=live)
     async_copy.commit_group()
     return page_ok
+
+
+@gluon.jit
+def _staged_page(slots, at):
+    """Slot `at` of `slots` in registers, in the load layouts: key words, value words, key scales, key zeros, value
+    scales, value zeros."""
+    kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf = slots
+    return (kbuf.index(at).load(KEY_LOAD), vbuf.index(at).load(VALUE_LOAD), ksbuf.index(at).load(ROW_LOAD),
+            kzbuf.index(at).load(ROW_LOAD), vsbuf.index(at).load(ROW_LOAD), vzbuf.index(at).load(ROW_LOAD))
 
 
 @gluon.jit
@@ -159,29 +211,6 @@ def history_kernel(
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    # The load layouts that `_key_tile`, `_value_tile` and `_page_rows` relabel (register, lane bases: [row, word]).
-    KEY_LOAD: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], lane_bases=[[0, 4], [0, 8], [8, 0], [16, 0], [32, 0]],
-        warp_bases=[], block_bases=[], shape=[64, 16])
-    VALUE_LOAD: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0], [8, 0]], lane_bases=[[16, 0], [32, 0], [0, 2], [0, 4], [0, 8]],
-        warp_bases=[], block_bases=[], shape=[64, 16])
-    ROW_LOAD: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[],
-        shape=[64])
-    # Shared-memory layouts of a staged page [row, word] (offset bit i holds the listed coordinate) whose reads in
-    # KEY_LOAD / VALUE_LOAD are free of bank conflicts (the lanes of one read cover all 32 banks), and the layouts of
-    # the copies into them (16-byte pieces).
-    KEY_SMEM: gl.constexpr = gl.SharedLinearLayout(offset_bases=[
-        [0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0], [1, 0], [2, 0], [4, 0], [32, 0]])
-    VALUE_SMEM: gl.constexpr = gl.SharedLinearLayout(offset_bases=[
-        [0, 1], [0, 2], [0, 4], [0, 8], [16, 0], [32, 0], [1, 0], [2, 0], [4, 0], [8, 0]])
-    KEY_COPY: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [32, 0]], lane_bases=[[0, 8], [8, 0], [16, 0], [2, 0], [4, 0]],
-        warp_bases=[], block_bases=[], shape=[64, 16])
-    VALUE_COPY: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0]], lane_bases=[[0, 8], [16, 0], [32, 0], [1, 0], [2, 0]],
-        warp_bases=[], block_bases=[], shape=[64, 16])
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     HEADS: gl.constexpr = gl.SliceLayout(0, MMA)
 
@@ -220,7 +249,6 @@ def history_kernel(
     row_ok = (n < G) & (count > 0)
     q_row = start.to(gl.int64) * HQ + h * G + n
 
-    row_at = gl.arange(0, 64, layout=ROW_LOAD)
     kc16 = kc_ptr.to(gl.pointer_type(gl.int16))
     vc16 = vc_ptr.to(gl.pointer_type(gl.int16))
 
@@ -238,41 +266,23 @@ def history_kernel(
     bt_row = bt_ptr + slot.to(gl.int64) * bt_stride
     # Software pipeline by hand (Gluon does not pipeline): page data copied into shared memory STAGES - 1 pages
     # ahead (cp.async, one commit group per page), page ids one page further.
-    kbuf = gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], KEY_SMEM)
-    vbuf = gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], VALUE_SMEM)
-    ROW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    ksbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
-    kzbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
-    vsbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
-    vzbuf = gl.allocate_shared_memory(gl.float16, [STAGES, 64], ROW_SMEM)
-    key_copy = (gl.arange(0, 64, layout=gl.SliceLayout(1, KEY_COPY))[:, None] * WORDS
-                + gl.arange(0, WORDS, layout=gl.SliceLayout(0, KEY_COPY))[None, :])
-    value_copy = (gl.arange(0, 64, layout=gl.SliceLayout(1, VALUE_COPY))[:, None] * WORDS
-                  + gl.arange(0, WORDS, layout=gl.SliceLayout(0, VALUE_COPY))[None, :])
+    slots = _page_slots(STAGES)
     last = gl.maximum(hi - 1, 0)
     oks = 0  # bit j: whether the id of page index + j is valid
     for j in gl.static_range(STAGES - 1):
         ok = _stage_page(gl.load(bt_row + gl.minimum(lo + j, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr,
-                         vs_ptr, vz_ptr, kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf, j, key_copy, value_copy, row_at,
-                         lo + j < hi, HKV, P)
+                         vs_ptr, vz_ptr, slots, j, lo + j < hi, HKV, P)
         oks = oks | (ok.to(gl.int32) << j)
     ahead = gl.load(bt_row + gl.minimum(lo + STAGES - 1, last))
     for index in range(lo, hi):
         i = index - lo
         async_copy.wait_group(STAGES - 2)  # this thread's copies of page index have landed
         _warp_barrier()  # everyone's have, and everyone is done with the slot refilled below
-        ok = _stage_page(ahead, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf, kzbuf,
-                         vsbuf, vzbuf, (i + STAGES - 1) % STAGES, key_copy, value_copy, row_at,
-                         index + STAGES - 1 < hi, HKV, P)
+        ok = _stage_page(ahead, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots,
+                         (i + STAGES - 1) % STAGES, index + STAGES - 1 < hi, HKV, P)
         oks = oks | (ok.to(gl.int32) << (STAGES - 1))
         ahead = gl.load(bt_row + gl.minimum(index + STAGES, last))
-        at = i % STAGES
-        kwords = kbuf.index(at).load(KEY_LOAD)
-        vwords = vbuf.index(at).load(VALUE_LOAD)
-        ks_raw = ksbuf.index(at).load(ROW_LOAD)
-        kz_raw = kzbuf.index(at).load(ROW_LOAD)
-        vs_raw = vsbuf.index(at).load(ROW_LOAD)
-        vz_raw = vzbuf.index(at).load(ROW_LOAD)
+        kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw = _staged_page(slots, i % STAGES)
         page_ok = (oks & 1) != 0
         oks = oks >> 1
         k_scale = gl.convert_layout(_page_rows(ks_raw), ROWS, assert_trivial=True).to(gl.float32)
