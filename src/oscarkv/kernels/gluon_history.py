@@ -39,8 +39,8 @@ slower (docs/data/decode-h200-s52.txt).
 
 Scope (`takes`): decode (one new token per sequence), INT2 uniform levels for keys and values, D = 128 in one
 group, pages of 64 tokens, at most 8 query heads per KV head, no sliding window (key shifts are in), page tensors
-at 16-byte aligned addresses (as the cache allocates them), CUDA compute capability 8.0 or later, and Triton 3.6 or later (Gluon's API moves between releases: 3.6 and 3.9 are tested).
-Anything else takes the Triton kernel. Gluon
+at 16-byte aligned addresses (as the cache allocates them), CUDA compute capability 8.0 or later, and Triton 3.6
+or later (Gluon's API moves between releases: 3.6 and 3.9 are tested). Anything else takes the Triton kernel. Gluon
 kernels do not run in the CPU interpreter: the CPU suite compiles this one for sm_90 (`compile_check`), and the
 GPU suite tests it against the torch reference (tests/test_kernels.py).
 """
@@ -101,5 +101,5 @@ def launch(grid: tuple[int, int], args: tuple, query_heads: int, kv_heads: int, 
 
     cap = dict(maxnreg=REGISTER_CAP) if register_cap_supported() else {}
     history_kernel[grid](*args, HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=num_splits,
-                         WS=window_splits, OVERLAP=overlap, KEY_SHIFTS=shift_block > 0, SHIFT_BLOCK=max(shift_block, 1), STAGES=STAGES, num_warps=1,
-                         **cap, **options)
+                         WS=window_splits, OVERLAP=overlap, KEY_SHIFTS=shift_block > 0,
+                         SHIFT_BLOCK=max(shift_block, 1), STAGES=STAGES, num_warps=1, **cap, **options)
