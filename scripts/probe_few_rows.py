@@ -75,10 +75,10 @@ def chain_cublas(layers, x):
 def chain_triton(layers, x, tile: RowTile):
     m = x.shape[0]
     for w in layers:
-        qkv = x.new_empty(m, Q + 2 * KV)
+        qkv = x.new_empty(m * (Q + 2 * KV))  # q [m, Q], then k and v (`launch_gemv`)
         launch_gemv(x, [w["q"], w["k"], w["v"]], [None] * 3, qkv, overlap=True, tile=tile)
         a = x.new_empty(m, HIDDEN)
-        launch_gemv(qkv[:, :Q], w["o"], None, a, overlap=True, tile=tile)
+        launch_gemv(qkv[:m * Q].view(m, Q), w["o"], None, a, overlap=True, tile=tile)
         h = x.new_empty(m, INTER)
         launch_gemv_silu_mul(a, w["g"], w["u"], h, overlap=True, tile=tile)
         x = x.new_empty(m, HIDDEN)
@@ -102,7 +102,7 @@ def sweep(layers, ms, bandwidth, weight_bytes):
 def products(layers, tile: RowTile, m: int, bandwidth: float):
     """µs per layer of each product, cuBLAS -> Triton."""
     x, xq, xi = randn(m, HIDDEN), randn(m, Q), randn(m, INTER)
-    qkv, out, hidden = x.new_empty(m, Q + 2 * KV), x.new_empty(m, HIDDEN), x.new_empty(m, INTER)
+    qkv, out, hidden = x.new_empty(m * (Q + 2 * KV)), x.new_empty(m, HIDDEN), x.new_empty(m, INTER)
     cases = {
         "qkv": (lambda w: launch_gemv(x, [w["q"], w["k"], w["v"]], [None] * 3, qkv, overlap=True, tile=tile),
                 lambda w: (F.linear(x, w["q"]), F.linear(x, w["k"]), F.linear(x, w["v"])), Q + 2 * KV, HIDDEN),

@@ -206,26 +206,30 @@ def _layer_buffers(run) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("d,gqa,batch,options", [(64, 1, 3, {}), (128, 2, 1, {}), (128, 1, 3, {"shift_block": 16}),
-                                                 (64, 2, 1, {"key_inner": 0.36, "value_inner": 0.35})])
+                                                 (64, 2, 1, {"key_inner": 0.36, "value_inner": 0.35}),
+                                                 (64, 1, 3, {"page_size": 32})])
 def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, batch, options, monkeypatch):
     """Decode steps through one launch (queries, keys, the token's store and the flush) leave the cache, the
     queries and the rotated keys bit for bit as the query/key launch followed by the write launch does, at batch 1
     (one row per program) and 3 (a block of rows). The prompts put the first decode tokens in the sink (8 of 16),
     at its edge (15) and in the ring (60); the fifth step crosses a flush (at sink 16 + recent 32 + page 16); batch
-    1 takes the 60-token prompt. The one launch also holds the programs that prefetch the first keys of 40 history
-    splits into L2 (a hint: on the GPU they prefetch, in the interpreter they return at once); they must not take
-    the place of any other program."""
+    1 takes the 60-token prompt. With pages of 32 tokens (two flush blocks, which a flush program at batch 3 runs
+    one after the other, `triton_decode_qk.flush_loop`) the third prompt is 78 tokens and the third step flushes.
+    The one launch also holds the programs that prefetch the first keys of 40 history splits into L2 (a hint: on the
+    GPU they prefetch, in the interpreter they return at once); they must not take the place of any other
+    program."""
     from oscarkv.cache.paged import PagedLayout
     from oscarkv.kernels.ops import decode_query_key_write, write_step
     from paged_helpers import PagedRun, random_step
 
     shift_block = options.get("shift_block", 0)
-    layout = PagedLayout(kv_heads=2, head_dim=d, group_size=64, page_size=16, sink_tokens=16, recent_tokens=32,
+    page = options.get("page_size", 16)
+    layout = PagedLayout(kv_heads=2, head_dim=d, group_size=64, page_size=page, sink_tokens=16, recent_tokens=32,
                          key_inner=options.get("key_inner"), value_inner=options.get("value_inner"))
     runs = [PagedRun(layout, batch, 256, 2 * gqa, "triton", device=DEVICE, shift_block=shift_block)
             for _ in range(2)]
     g = torch.Generator().manual_seed(d + batch)
-    prompts = [8, 15, 60] if batch == 3 else [60]
+    prompts = [8, 15, 60 if page == 16 else 78] if batch == 3 else [60]
     _, k, v = random_step(layout, 2 * gqa, prompts, g, device=DEVICE)
     for run in runs:
         write_step(run.layer, run.cache.step(run.slots, prompts), k, v, run.rotation, run.mean, 0.96, 0.92)

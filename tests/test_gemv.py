@@ -110,13 +110,25 @@ def test_one_few_rows_launch_for_three_weights_equals_three_launches(tile, bias)
     weights = [torch.randn(n, 300, generator=g).to(DEVICE, torch.bfloat16) for n in (33, 8, 7)]
     biases = [torch.randn(n, generator=g).to(DEVICE, torch.bfloat16) if bias else None for n in (33, 8, 7)]
     x = torch.randn(4, 300, generator=g).to(DEVICE, torch.bfloat16)
-    fused = torch.full((4, 48), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    fused = torch.full((4 * 48,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     launch_gemv(x, weights, biases, fused, tile=_tile(tile))
     alone = []
     for w, b in zip(weights, biases):
         alone.append(torch.full((4, w.shape[0]), float("nan"), dtype=torch.bfloat16, device=DEVICE))
         launch_gemv(x, w, b, alone[-1], tile=_tile(tile))
-    assert torch.equal(fused, torch.cat(alone, dim=1))
+    # each product a contiguous [M, N_i] block after the one before
+    assert torch.equal(fused, torch.cat([a.reshape(-1) for a in alone]))
+
+
+def test_few_rows_launch_refuses_an_output_of_another_layout():
+    from oscarkv.kernels.triton_gemv import launch_gemv
+
+    weights = [torch.zeros(n, 64, device=DEVICE, dtype=torch.bfloat16) for n in (16, 8)]
+    x = torch.zeros(3, 64, device=DEVICE, dtype=torch.bfloat16)
+    for out in (torch.empty(3, 30, device=DEVICE, dtype=torch.bfloat16)[:, :24],  # a column slice
+                torch.empty(3, 16, device=DEVICE, dtype=torch.bfloat16)):  # too few elements
+        with pytest.raises(ValueError, match="out must be contiguous"):
+            launch_gemv(x, weights, [None, None], out)
 
 
 def test_more_rows_than_the_kernels_take_are_refused():
@@ -250,17 +262,18 @@ def test_shared_projections_give_each_input_its_own_outputs():
 
     linears = [torch.nn.Linear(64, n, bias=False).to(DEVICE, torch.bfloat16) for n in (32, 16, 16)]
     group = SharedInputProjections(linears)
-    x, other = (torch.randn(1, 1, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    calls = [(0, x), (1, other), (2, x), (1, x), (0, other), (0, x.clone())]
-    with torch.no_grad():
-        got = [group.forward(i, inp) for i, inp in calls]
-        want = [F.linear(inp, linears[i].weight) for i, inp in calls]
-    assert set(group.pending) == {1, 2} and group.source is calls[-1][1]
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        torch.testing.assert_close(g.float(), w.float(), rtol=2.0**-7, atol=0.02)
-    group.clear()
-    assert group.source is None and not group.pending
+    for rows in (1, 3):  # one row: the matrix-vector kernel; more: the few-rows kernel
+        x, other = (torch.randn(rows, 1, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        calls = [(0, x), (1, other), (2, x), (1, x), (0, other), (0, x.clone())]
+        with torch.no_grad():
+            got = [group.forward(i, inp) for i, inp in calls]
+            want = [F.linear(inp, linears[i].weight) for i, inp in calls]
+        assert set(group.pending) == {1, 2} and group.source is calls[-1][1]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.is_contiguous()  # the values go to the cache write without a copy
+            torch.testing.assert_close(g.float(), w.float(), rtol=2.0**-7, atol=0.02)
+        group.clear()
+        assert group.source is None and not group.pending
 
 
 def test_disabled_swaps_nothing():

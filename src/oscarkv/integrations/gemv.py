@@ -10,8 +10,9 @@ ran before. On exit the model's own forwards are back.
 - **The q, k and v projections of an attention module** (plain `nn.Linear`s of the same input
   size, with biases on all three or none): the first of them called with a row computes all
   three in one launch and keeps the other two outputs for their calls with the same input
-  tensor (`SharedInputProjections`; with several rows, the outputs are column slices of one
-  [M, ΣN] result). Called with any other input, a projection computes alone.
+  tensor (`SharedInputProjections`; with several rows, each output is a contiguous [M, N] block of
+  one buffer, as the projection's own output would be, so a decode step's values need no copy
+  before the cache write). Called with any other input, a projection computes alone.
 - **A gated SiLU MLP** (`GATED_SILU_MLPS`: down(silu(gate(x)) * up(x)) without biases): one
   launch for silu(gate·x) * up·x, then the down projection. Other rows go to the forward that
   was in place when the block began (the compiled one inside `compiled_small_ops`).
@@ -109,10 +110,11 @@ class SharedInputProjections:
 
         sizes = [m.out_features for m in self.linears]
         rows = input_rows(x)
-        joined = x.new_empty(*rows.shape[:-1], sum(sizes))
+        count = rows.numel() // rows.shape[-1]
+        joined = x.new_empty(count * sum(sizes))  # each product contiguous after the one before (`launch_gemv`)
         launch_gemv(rows, [m.weight for m in self.linears], [m.bias for m in self.linears], joined,
                     overlap=overlaps_launches(x))
-        outputs = [y.view(*x.shape[:-1], y.shape[-1]) for y in joined.split(sizes, dim=-1)]
+        outputs = [y.view(*x.shape[:-1], n) for y, n in zip(joined.split([count * n for n in sizes]), sizes)]
         self.source = x
         self.pending = {i: y for i, y in enumerate(outputs) if i != index}
         return outputs[index]

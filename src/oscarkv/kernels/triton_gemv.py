@@ -226,13 +226,13 @@ def _sum_splits(acc, acc_u, partial_ptr, count_ptr, tile, split, SPLITS: tl.cons
 
 @triton.jit
 def _rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, partial_ptr, count_ptr, M, N0, N1, N2,
-                 stride_x, stride_y, stride0: tl.constexpr, stride1: tl.constexpr, stride2: tl.constexpr,
+                 stride_x, stride0: tl.constexpr, stride1: tl.constexpr, stride2: tl.constexpr,
                  K: tl.constexpr, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, K_SPLIT: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, OVERLAP: tl.constexpr):
-    """y [M, N0 + N1 + N2] = [x·W0ᵀ, x·W1ᵀ, x·W2ᵀ] (+ biases) for a few rows x [M, K]: tiles of BLOCK_N weight
-    rows laid out as `_gemv_kernel`'s programs (W0's, then W1's, then W2's), each tile's K_SPLIT-column
-    slices in SPLITS programs (`_sum_splits`), each program all M input rows."""
+    """y = x·W0ᵀ [M, N0], then x·W1ᵀ [M, N1], then x·W2ᵀ [M, N2] (+ biases), one after another, for a few rows
+    x [M, K]: tiles of BLOCK_N weight rows laid out as `_gemv_kernel`'s programs (W0's, then W1's, then W2's),
+    each tile's K_SPLIT-column slices in SPLITS programs (`_sum_splits`), each program all M input rows."""
     _start(OVERLAP)
     tile, split = _tile_and_split(SPLITS)
     rows, w_rows, b_ptr, n, out_at = _segment_rows(tile, split * 0, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, N0,
@@ -246,7 +246,7 @@ def _rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, p
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     m = tl.arange(0, BLOCK_M)
     dtype = y_ptr.dtype.element_ty
-    dst = y_ptr + m[None, :].to(tl.int64) * stride_y + (out_at + rows)[:, None]
+    dst = y_ptr + out_at.to(tl.int64) * M + m[None, :].to(tl.int64) * n + rows[:, None]  # this weight's [M, N]
     if last:
         tl.store(dst, _round_to(y, dtype).to(dtype), mask=row_ok[:, None] & (m < M)[None, :])
 
@@ -345,10 +345,12 @@ def _rows(x: torch.Tensor) -> int:
 def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
                 biases: list[torch.Tensor | None] | torch.Tensor | None, out: torch.Tensor,
                 overlap: bool = False, tile: RowTile = ROW_TILE) -> None:
-    """out = [x·Wᵀ (+ b) for each W], side by side, for one to three weights [N_i, K] with unit stride along K:
-    x [K] and out [ΣN] (one row: the matrix-vector kernel), or x [M, K] and out [M, ΣN] with unit strides along
-    K and N (M ≤ MAX_ROWS: the few-rows kernel, `tile`). biases: one entry per weight, all tensors or all None.
-    A single weight and bias may be passed bare.
+    """out = x·Wᵀ (+ b) for each W, one after another, for one to three weights [N_i, K] with unit stride along K:
+    x [K] (one row: the matrix-vector kernel) or x [M, K] with unit stride along K (M ≤ MAX_ROWS: the few-rows
+    kernel, `tile`); out contiguous, of M·ΣN elements, holding each weight's product as a contiguous [M, N_i]
+    block after the one before (for one weight: out [M, N]; for one row: [ΣN]). So each product is a contiguous
+    tensor, as a model's own q, k and v projections are (`integrations.gemv.SharedInputProjections`).
+    biases: one entry per weight, all tensors or all None. A single weight and bias may be passed bare.
     overlap: launch early and wait for the kernel before (programmatic dependent launch)."""
     if isinstance(weights, torch.Tensor):
         weights, biases = [weights], [biases]
@@ -363,6 +365,8 @@ def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
     m = _rows(x)
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"launch_gemv takes 1 to {MAX_ROWS} input rows, not {m}.")
+    if not out.is_contiguous() or out.numel() != m * sum(w.shape[0] for w in weights):
+        raise ValueError("launch_gemv: out must be contiguous, with one element per input row and weight row.")
     spare = MAX_SEGMENTS - len(weights)
     padded = list(weights) + [weights[0]] * spare
     bias_args = (list(biases) if has_bias else [x] * len(weights)) + [x] * spare
@@ -377,8 +381,7 @@ def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
         return
     tiles = sum(triton.cdiv(w.shape[0], tile.block_n) for w in weights)
     splits, k_split, partial, counts = _split_plan(x, tiles, k, m, tile, pair=False)
-    _rows_kernel[(tiles * splits,)](x, *padded, *bias_args, out, partial, counts, m, *sizes, x.stride(0),
-                                    out.stride(0), **strides, K=k, SEGMENTS=len(weights), HAS_BIAS=has_bias,
+    _rows_kernel[(tiles * splits,)](x, *padded, *bias_args, out, partial, counts, m, *sizes, x.stride(0), **strides, K=k, SEGMENTS=len(weights), HAS_BIAS=has_bias,
                                     BLOCK_N=tile.block_n, BLOCK_M=tile.block_m(m), BLOCK_K=tile.block_k, SPLITS=splits,
                                     K_SPLIT=k_split, DOT_DTYPE=_dot_dtype(x), OVERLAP=overlap, num_warps=tile.warps,
                                     num_stages=tile.stages, **programmatic(overlap))
