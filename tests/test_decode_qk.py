@@ -213,11 +213,10 @@ def test_cache_write_in_the_query_key_launch_equals_the_write_launch(d, gqa, bat
     queries and the rotated keys bit for bit as the query/key launch followed by the write launch does, at batch 1
     (one row per program) and 3 (a block of rows). The prompts put the first decode tokens in the sink (8 of 16),
     at its edge (15) and in the ring (60); the fifth step crosses a flush (at sink 16 + recent 32 + page 16); batch
-    1 takes the 60-token prompt. With pages of 32 tokens (two flush blocks, which a flush program at batch 3 runs
-    one after the other, `triton_decode_qk.flush_loop`) the third prompt is 78 tokens and the third step flushes.
-    The one launch also holds the programs that prefetch the first keys of 40 history splits into L2 (a hint: on the
-    GPU they prefetch, in the interpreter they return at once); they must not take the place of any other
-    program."""
+    1 takes the 60-token prompt. With pages of 32 tokens (two flush programs per row and KV head) the third prompt
+    is 78 tokens and the third step flushes. The one launch also holds the programs that prefetch the first keys of
+    40 history splits into L2 (a hint: on the GPU they prefetch, in the interpreter they return at once); they must
+    not take the place of any other program."""
     from oscarkv.cache.paged import PagedLayout
     from oscarkv.kernels.ops import decode_query_key_write, write_step
     from paged_helpers import PagedRun, random_step

@@ -41,7 +41,7 @@ GEMV_TYPES = dict(x_ptr="*bf16", w0_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
                   b2_ptr="*bf16", y_ptr="*bf16", N0="i32", N1="i32", N2="i32")
 GEMV_SILU_TYPES = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", y_ptr="*bf16", N="i32")
 ROWS_TYPES = {**GEMV_TYPES, **GEMV_SILU_TYPES, **dict(partial_ptr="*fp32", count_ptr="*i32", M="i32", stride_x="i32",
-                                                    stride_y="i32")}  # stride_y: the silu kernel's
+                                                    stride_y="i32")}
 # The query/key launch's cache-write arguments are the write kernel's (`compile_kernel` reads only its own names).
 DECODE_QK_TYPES = {**WRITE_TYPES, **dict(
     q_ptr=WINDOW, k_ptr=WINDOW, qw_ptr=WINDOW, kw_ptr=WINDOW, cos_ptr=WINDOW, sin_ptr=WINDOW, r_ptr="*fp32",
@@ -190,10 +190,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
                          dict(decode_qk, **dict.fromkeys(triton_decode_qk.WRITE_ARGUMENTS)), dict(num_warps=warps)))
             flush = {name: value for name, value in write.items() if name not in ("HKV", "D")}
-            flush_blocks = -(-page // 16)
             jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
-                         dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=flush_blocks,
-                              FLUSH_LOOP=triton_decode_qk.flush_loop(rows, flush_blocks), PREFETCH_SPLITS=132,
+                         dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-page // 16), PREFETCH_SPLITS=132,
                               PREFETCH_PAGES=2),
                          dict(num_warps=warps, **unfused)))
         if gluon_history.available() and (d, group, key_bits, value_bits, page) == (128, 128, 2, 2, 64):

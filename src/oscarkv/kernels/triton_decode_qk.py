@@ -83,16 +83,6 @@ def launch_plan(rows: int, d: int) -> tuple[int, int, int]:
     return BLOCK_ROWS, min(d, 32), 4
 
 
-def flush_loop(rows_per_program: int, flush_blocks: int) -> int:
-    """Token blocks of the flush that each flush program of the query/key launch runs one after another (of the
-    `flush_blocks` that a page takes): at batch 1 one, so that a step whose page ages out spreads its quantizer over
-    more programs; with more rows per program all of them. A page ages out of the ring once in P steps; in the
-    other steps every flush program only loads its row's lengths, finds nothing to move and ends, yet at 16 rows
-    per program (116 registers, 4 warps: four programs per multiprocessor) the 4·8·32 = 1,024 flush programs of a
-    Qwen3 step of 32 sequences were some four waves of them after the query and key programs."""
-    return flush_blocks if rows_per_program > 1 else 1
-
-
 @triton.jit
 def _norm_rope(x_ptr, w_ptr, eps, cos, sin, valid, cols, partner, sign, D: tl.constexpr, HAS_NORM: tl.constexpr,
                dtype: tl.constexpr):
@@ -199,20 +189,18 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
                       CLIP_V: tl.constexpr = -1, SHIFT: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16,
                       KEY_SHIFTS: tl.constexpr = False, SHIFT_BLOCK: tl.constexpr = 1, K_LLOYD: tl.constexpr = False,
                       V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True, FLUSH_BLOCKS: tl.constexpr = 0,
-                      FLUSH_LOOP: tl.constexpr = 1, PREFETCH_SPLITS: tl.constexpr = 0,
-                      PREFETCH_PAGES: tl.constexpr = 0, PREFETCH_BLOCK: tl.constexpr = 32):
+                      PREFETCH_SPLITS: tl.constexpr = 0, PREFETCH_PAGES: tl.constexpr = 0,
+                      PREFETCH_BLOCK: tl.constexpr = 32):
     """See the module doc. FLUSH_BLOCKS > 0 (a decode step that writes the cache, `launch_decode_qk`'s `write`):
     the key programs also store each row's rotated key and its value in the sink or ring
-    (`_store_step_token`), and BLOCK · FLUSH_BLOCKS / FLUSH_LOOP · HKV more programs per block of rows move the ring
-    tokens that age out to their pages (`triton_write._flush_block`: one row and KV head each, FLUSH_LOOP of the
-    FLUSH_BLOCKS token blocks one after another); the arguments from v_ptr on and the constexprs from NG on are the
-    write kernel's (None and defaults otherwise)."""
+    (`_store_step_token`), and BLOCK · FLUSH_BLOCKS · HKV more programs per block of rows move the ring tokens
+    that age out to their pages (`triton_write._flush_block`: one row, token block and KV head each); the
+    arguments from v_ptr on and the constexprs from NG on are the write kernel's (None and defaults otherwise)."""
     pid = tl.program_id(1)
     blocks_per_head: tl.constexpr = D // BLOCK_N if ROTATE else 1
     key_blocks: tl.constexpr = D // BLOCK_N if ROTATE_KEYS else 1
-    flush_groups: tl.constexpr = FLUSH_BLOCKS // FLUSH_LOOP  # flush programs per row and KV head
     if PREFETCH_SPLITS > 0 and PREFETCH_PAGES > 0:
-        fetch = pid - HQ * blocks_per_head - HKV * key_blocks - flush_groups * HKV * BLOCK
+        fetch = pid - HQ * blocks_per_head - HKV * key_blocks - FLUSH_BLOCKS * HKV * BLOCK
         if fetch >= 0:
             b = tl.program_id(0) * BLOCK + fetch % BLOCK  # one per row of a block of rows, KV head and BLOCK splits
             if COMPILED and b < rows:  # (inline PTX: the interpreter skips the hint)
@@ -226,15 +214,14 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
             if OVERLAP:
                 gdc_launch_dependents()
                 gdc_wait()
-            b = tl.program_id(0) * BLOCK + flush % BLOCK  # one flush program per row (sequence), blocks and head
-            group_and_head = flush // BLOCK
+            b = tl.program_id(0) * BLOCK + flush % BLOCK  # one flush program per row (sequence), block and head
+            block_and_head = flush // BLOCK
             if b < rows:
-                for i in range(FLUSH_LOOP):
-                    _flush_block(b, (group_and_head % flush_groups) * FLUSH_LOOP + i, group_and_head // flush_groups,
-                                 2, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr,
-                                 vc_ptr, vs_ptr, vz_ptr, ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high,
-                                 v_low, v_high, HKV, D, NG, K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T,
-                                 KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD, V_LLOYD, COMPILED)
+                _flush_block(b, block_and_head % FLUSH_BLOCKS, block_and_head // FLUSH_BLOCKS, 2, slots_ptr, cu_ptr,
+                             len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                             ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG,
+                             K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD,
+                             V_LLOYD, COMPILED)
             return
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = r < rows
@@ -314,8 +301,7 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         cache_arguments = dict.fromkeys(WRITE_ARGUMENTS)
     else:
         flush_blocks, flush = flush_arguments(write.layer, write.batch, write.clip_k, write.clip_v, decode=True)
-        loop = flush_loop(rows_per_program, flush_blocks)
-        programs += flush_blocks // loop * hkv * rows_per_program  # per row of a block of rows and head
+        programs += flush_blocks * hkv * rows_per_program  # one per row of a block of rows, token block and head
         if write.history_splits > 0 and PREFETCH_PAGES > 0:
             programs += rows_per_program * hkv * triton.cdiv(write.history_splits, PREFETCH_BLOCK)
         shared = ("HKV", "D")  # the launch's own, checked equal by `ops.decode_query_key_write`
@@ -323,7 +309,6 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         cache_arguments.update(PREFETCH_SPLITS=write.history_splits, PREFETCH_PAGES=PREFETCH_PAGES,
                                PREFETCH_BLOCK=PREFETCH_BLOCK)
         cache_arguments.update(v_ptr=write.values, stride_v=write.values.stride(0), FLUSH_BLOCKS=flush_blocks,
-                               FLUSH_LOOP=loop,
                                enable_fp_fusion=False)  # the flush's quantizer rounds as the reference
     grid = (triton.cdiv(b, rows_per_program), programs)
     _decode_qk_kernel[grid](q, k, qw, kw, cos, sin, rotation if rotate else q,

@@ -381,9 +381,10 @@ def launch_gemv(x: torch.Tensor, weights: list[torch.Tensor] | torch.Tensor,
         return
     tiles = sum(triton.cdiv(w.shape[0], tile.block_n) for w in weights)
     splits, k_split, partial, counts = _split_plan(x, tiles, k, m, tile, pair=False)
-    _rows_kernel[(tiles * splits,)](x, *padded, *bias_args, out, partial, counts, m, *sizes, x.stride(0), **strides, K=k, SEGMENTS=len(weights), HAS_BIAS=has_bias,
-                                    BLOCK_N=tile.block_n, BLOCK_M=tile.block_m(m), BLOCK_K=tile.block_k, SPLITS=splits,
-                                    K_SPLIT=k_split, DOT_DTYPE=_dot_dtype(x), OVERLAP=overlap, num_warps=tile.warps,
+    _rows_kernel[(tiles * splits,)](x, *padded, *bias_args, out, partial, counts, m, *sizes, x.stride(0), **strides,
+                                    K=k, SEGMENTS=len(weights), HAS_BIAS=has_bias, BLOCK_N=tile.block_n,
+                                    BLOCK_M=tile.block_m(m), BLOCK_K=tile.block_k, SPLITS=splits, K_SPLIT=k_split,
+                                    DOT_DTYPE=_dot_dtype(x), OVERLAP=overlap, num_warps=tile.warps,
                                     num_stages=tile.stages, **programmatic(overlap))
 
 
