@@ -83,7 +83,7 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
     import torch
 
     from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
-    from oscarkv.kernels import reference
+    from oscarkv.kernels import gluon_history, reference
     from oscarkv.kernels.ops import choose_splits
 
     copy = copy_bandwidth_gbs(torch.device("cuda"))
@@ -92,7 +92,8 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
         shape, _, forced = spec.partition(":")
         batch, context = (int(x) for x in shape.split("x"))
         case = decode_case(batch, context)
-        splits = int(forced) if forced else choose_splits(case.layer, batch, 1, 32, context, case.q.device)
+        gluon = gluon_history.takes(case.layer, case.step, 32, 0, case.q.device)  # the plan of the shipped step
+        splits = int(forced) if forced else choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=gluon)
         ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new,
                                             128 ** -0.5).float()
         steps = {name: _step(case, splits, name.rstrip("H"), windows=not name.endswith("H")) for name in names}

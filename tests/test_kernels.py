@@ -644,6 +644,28 @@ def test_decode_with_capped_history_registers_matches_reference(monkeypatch):
     assert seen
 
 
+def test_gluon_steps_split_long_histories_further(monkeypatch):
+    """Steps whose history runs the Gluon kernel (16 programs fit a multiprocessor) split it into up to that wave,
+    keeping 64 pages a split, and never into fewer splits than the Triton plan (132 multiprocessors, Qwen3 shapes):
+    32x32K 4 -> 8 history splits (one one-warp window program still), 64x32K 2 -> 4; the shorter splits of 8x32K,
+    16x32K, 48x32K, 128x4K, 64x8K and batch 1 stay as they were."""
+    import oscarkv.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "_multiprocessor_count", lambda device: 132)
+    layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
+    cpu = torch.device("cpu")
+    def splits(batch: int, context: int, gluon: bool) -> int:
+        return ops.choose_splits(layer, batch, 1, 32, context, cpu, gluon=gluon)
+
+    changed = {(32, 32768): (4 + 1, 8 + 1), (64, 32768): (2 + 1, 4 + 1), (16, 65536): (8 + 1, 16 + 1)}
+    for (batch, context), (triton_plan, gluon_plan) in changed.items():
+        assert (splits(batch, context, False), splits(batch, context, True)) == (triton_plan, gluon_plan)
+    for batch, context in ((1, 131072), (1, 32768), (8, 32768), (16, 32768), (48, 32768), (128, 4096), (64, 8192)):
+        assert splits(batch, context, True) == splits(batch, context, False), (batch, context)
+    gluon_plan = ops.window_plan(layer, 32, 1, 32, 9, 32768, cpu, gluon=True)
+    assert gluon_plan == ops.WindowPlan(1, warps=1, block_n=16) == ops.window_plan(layer, 32, 1, 32, 5, 32768, cpu)
+
+
 def test_row_groups_only_for_long_decode_splits():
     layer = SimpleNamespace(layout=PagedLayout(kv_heads=8, head_dim=128, group_size=128))
     # arguments: max_new, query_heads, splits, window splits, context

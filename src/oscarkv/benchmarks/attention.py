@@ -206,7 +206,8 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     cache, layout, layer, slots, step = case.cache, case.layer.layout, case.layer, case.slots, case.step
     q, k_new, v_new = case.q, case.k_new, case.v_new
     scale = head_dim ** -0.5
-    splits = choose_splits(layer, batch, 1, query_heads, context, device)
+    splits = choose_splits(layer, batch, 1, query_heads, context, device,
+                           gluon=gluon_history.takes(layer, step, query_heads, 0, device))  # as `attend_step` plans
     out = torch.empty_like(q)
     workspace = (torch.empty(batch, query_heads, splits, head_dim, dtype=torch.float32, device=device),
                  torch.empty(batch, query_heads, splits, dtype=torch.float32, device=device))

@@ -60,6 +60,10 @@ HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head: the 8 columns of the m16n8k16 tile
 REGISTER_CAP = 168  # 125 uncapped; the cap of `ops.HISTORY_REGISTERS_BESIDE_WINDOWS`, for the window programs
 STAGES = 2  # shared-memory slots of staged pages: STAGES - 1 pages in flight while one is read (see above)
+# The split plan of Gluon steps (`ops._gluon_history_splits`): 125 registers and 9.2 KB of shared memory a program, so
+# 16 one-warp programs fill a multiprocessor's registers (the Triton kernel's 9); splits of at least MIN_SPLIT_PAGES.
+PROGRAMS_PER_MULTIPROCESSOR = 16
+MIN_SPLIT_PAGES = 64
 
 
 MIN_TRITON = (3, 6)
@@ -81,8 +85,13 @@ def available() -> bool:
 
 def takes(layer, batch, query_heads: int, window: int, device: torch.device) -> bool:
     """Whether a decode step's history launch can run the Gluon kernel (see the module docstring)."""
+    return takes_steps(layer, batch.max_new, query_heads, window, device)
+
+
+def takes_steps(layer, max_new: int, query_heads: int, window: int, device: torch.device) -> bool:
+    """`takes` for the steps of `max_new` new tokens per sequence (what the split plan knows of a step)."""
     lay = layer.layout
-    return (device.type == "cuda" and batch.max_new == 1 and window == 0
+    return (device.type == "cuda" and max_new == 1 and window == 0
             and lay.head_dim == HEAD_DIM and lay.groups == 1 and lay.key_bits == 2 and lay.value_bits == 2
             and lay.key_inner is None and lay.value_inner is None and lay.page_size == PAGE
             and query_heads % lay.kv_heads == 0 and query_heads // lay.kv_heads <= MAX_GROUP

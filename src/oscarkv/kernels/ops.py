@@ -18,6 +18,7 @@ from ..config import EXTEND_PATHS, ExtendPath
 from ..errors import OscarError
 from . import reference
 from .extend import extend_attention, takes_dequantized_extend
+from . import gluon_history
 from .gluon_history import HISTORY_KERNELS, HistoryKernel
 from .hardware import multiprocessors as _multiprocessors
 from .hardware import register_cap_supported
@@ -329,7 +330,7 @@ def _window_splits(programs: int, sms: int) -> int:
 
 
 def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, max_context: int,
-                  device: torch.device, block_m: int | None = None) -> int:
+                  device: torch.device, block_m: int | None = None, gluon: bool = False) -> int:
     """Splits of the INT2 kernel's grid (history splits + window splits; see the kernel).
 
     Decode: the history of each (sequence, KV head) is split into as many parts as keep the one-warp
@@ -340,16 +341,18 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
     366 µs, 7 splits 326 µs). When one wave would be less than 6 programs per multiprocessor
     (large batches), the history takes about two waves instead (81x32K: 1 split 1070 µs, 4 splits
     738 µs; scripts/tune_attention.py). Batch 1 below 64K takes fewer splits of at least 8 pages,
-    down to half the wave (see below). Prefill and extend keep `split_count` over their programs of `block_m`
-    query rows (None: `choose_block_m`)."""
+    down to half the wave (see below). gluon: the step's history runs the Gluon kernel (`gluon_history.takes`),
+    whose long splits are split further (`_gluon_history_splits`). Prefill and extend keep `split_count` over their
+    programs of `block_m` query rows (None: `choose_block_m`)."""
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads, block_m)
     if m_blocks > 1:
         return split_count(programs, max_context - layer.layout.sink_tokens, device)
-    history, windows = _decode_plan(layer, programs, max_context, _multiprocessor_count(device))
+    history, windows = _decode_plan(layer, programs, max_context, _multiprocessor_count(device), gluon)
     return history + windows.splits
 
 
-def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int) -> tuple[int, WindowPlan]:
+def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int,
+                 gluon: bool = False) -> tuple[int, WindowPlan]:
     """History splits and window programs per (sequence, KV head) of a decode step (`choose_splits`)."""
     tokens = max_context - layer.layout.sink_tokens
     history = PROGRAMS_PER_MULTIPROCESSOR * sms // programs  # one resident wave
@@ -362,6 +365,8 @@ def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int) -
     # Qwen3-4B step (3.94-3.95 against 3.91-3.92 ms), so the rule stays.
     history = min(history, max(tokens // layer.layout.page_size // MIN_PAGES_PER_SPLIT, history // 2))
     history = max(1, min(history, tokens // 64, MAX_HISTORY_SPLITS))
+    if gluon:
+        history = _gluon_history_splits(history, -(-max(tokens, 0) // layer.layout.page_size), programs, sms)
     if _one_warp_windows(layer, programs, history, max_context, sms):
         return history, WindowPlan(1, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
     if _few_history_windows(programs, history, sms):
@@ -371,16 +376,37 @@ def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int) -
     return history, WindowPlan(_window_splits(programs, sms))
 
 
+def _gluon_history_splits(history: int, pages: int, programs: int, sms: int) -> int:
+    """History splits of a Gluon decode step that `_decode_plan` would give `history`: up to one wave of
+    `gluon_history.PROGRAMS_PER_MULTIPROCESSOR` (16) programs, the Triton kernel's wave being 8-9, as long as each
+    split keeps `gluon_history.MIN_SPLIT_PAGES` (64) pages; never fewer than `history`. So only long splits change:
+    at 32x32K (Qwen3 shapes: 256 (sequence, KV head) pairs, 507 pages) 4 splits of 127 pages become 8 of 64. H200,
+    whole random Qwen3-4B steps at 32x32K, in turn in one process: 10.930 / 10.951 ms with 4, 10.720 with 6,
+    10.718 / 10.732 with 8 (-2.0%; docs/data/gluon-splits-h200-s53.txt); one layer, 5 / 7 / 9 splits in all:
+    214.7 / 210.8 / 209.2 µs (208.4 / 203.8 with 5 / 7 in the fifty-second session). Where the splits are shorter,
+    more were as fast or slower (one layer: 16x32K 9 / 13 / 17 splits 111.8 / 111.6 / 110.6 µs, 8x32K 18 / 26 / 34
+    58.4 / 59.1 / 59.9, 128x4K 2 / 3 / 4 159.0 / 166.6 / 166.7, 1x128K 136 / 264 32.4 / 34.8), and this rule leaves
+    them. Not measured: the other shapes it changes (64x32K 2 -> 4 splits, 32x64K and 32x128K 4 -> 8, 16x64K 8 -> 16,
+    8x128K 16 -> 32 on 132 multiprocessors), which reach 32x32K's 8-split counts of programs and pages."""
+    from .gluon_history import MIN_SPLIT_PAGES, PROGRAMS_PER_MULTIPROCESSOR
+
+    longer = min(PROGRAMS_PER_MULTIPROCESSOR * sms // max(programs, 1), MAX_HISTORY_SPLITS)
+    while longer > history and -(-pages // longer) < MIN_SPLIT_PAGES:
+        longer -= 1
+    return max(history, longer)
+
+
 def window_plan(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
-                max_context: int, device: torch.device, block_m: int | None = None) -> WindowPlan:
-    """The window programs among `num_splits`: `choose_splits`' plan for `max_context` where `num_splits` is its
-    count, else its rules for that count (one four-warp split where `num_splits` leaves no history split
-    beside them)."""
+                max_context: int, device: torch.device, block_m: int | None = None,
+                gluon: bool = False) -> WindowPlan:
+    """The window programs among `num_splits`: `choose_splits`' plan for `max_context` (gluon as there) where
+    `num_splits` is its count, else its rules for that count (one four-warp split where `num_splits` leaves no
+    history split beside them)."""
     m_blocks, programs = _decode_programs(layer, batch_size, max_new, query_heads, block_m)
     if m_blocks > 1 or num_splits < 2:
         return WindowPlan(1)
     sms = _multiprocessor_count(device)
-    history, chosen = _decode_plan(layer, programs, max_context, sms)
+    history, chosen = _decode_plan(layer, programs, max_context, sms, gluon)
     if history + chosen.splits == num_splits:
         return chosen
     # a split count chosen elsewhere: one-warp windows or the batch rule, as `choose_splits` would take them
@@ -636,14 +662,16 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
 
     context = max_context if max_context is not None else batch.block_table.shape[1] * lay.page_size
     block_m = block_m or choose_block_m(batch.max_new, q.shape[1] // lay.kv_heads)
+    gluon = history != "triton" and gluon_history.takes(layer, batch, q.shape[1], window, q.device)
     if num_splits is None:
-        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1], context, q.device, block_m)
+        num_splits = choose_splits(layer, batch.batch, batch.max_new, q.shape[1], context, q.device, block_m, gluon)
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1 and workspace is None:
         workspace = (torch.empty(q.shape[0], q.shape[1], num_splits, q.shape[2], dtype=torch.float32, device=q.device),
                      torch.empty(q.shape[0], q.shape[1], num_splits, dtype=torch.float32, device=q.device))
     if window_splits is None:
-        plan = window_plan(layer, batch.batch, batch.max_new, q.shape[1], num_splits, context, q.device, block_m)
+        plan = window_plan(layer, batch.batch, batch.max_new, q.shape[1], num_splits, context, q.device, block_m,
+                           gluon)
     else:
         plan = window_splits if isinstance(window_splits, WindowPlan) else WindowPlan(window_splits)
     if row_groups is None:

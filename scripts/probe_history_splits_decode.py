@@ -1,0 +1,36 @@
+"""Developer tool (GPU): whole-model decode steps (`oscarkv bench decode`) with the history splits of the batch
+runs' decode plans forced, to weigh `ops._decode_plan` at large batches in a real step rather than one layer alone.
+
+    PYTHONPATH=src python scripts/probe_history_splits_decode.py SPLITS -- [bench decode options]
+
+SPLITS: history splits per (sequence, KV head) of every decode step of more than `ops.SMALL_BATCH_PROGRAMS` (sequence,
+KV head) pairs (the INT2 batch runs; batch 1 keeps the shipped plan), or "shipped". The window programs follow the
+shipped rules for that count."""
+from __future__ import annotations
+
+import sys
+
+from oscarkv.kernels import ops
+
+
+def main() -> None:
+    forced, rest = sys.argv[1], sys.argv[3:] if sys.argv[2:3] == ["--"] else sys.argv[2:]
+    if forced != "shipped":
+        shipped = ops._decode_plan
+        splits = int(forced)
+
+        def plan(layer, programs, max_context, sms):
+            history, windows = shipped(layer, programs, max_context, sms)
+            if programs <= ops.SMALL_BATCH_PROGRAMS:
+                return history, windows
+            one_warp = ops._one_warp_windows(layer, programs, splits, max_context, sms)
+            return splits, (ops.WindowPlan(1, warps=1, block_n=ops.ONE_WARP_WINDOW_BLOCK) if one_warp else windows)
+
+        ops._decode_plan = plan
+    from oscarkv.cli import main as cli
+
+    sys.exit(cli(["bench", "decode", *rest]))
+
+
+if __name__ == "__main__":
+    main()
