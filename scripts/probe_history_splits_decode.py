@@ -19,8 +19,8 @@ def main() -> None:
         shipped = ops._decode_plan
         splits = int(forced)
 
-        def plan(layer, programs, max_context, sms):
-            history, windows = shipped(layer, programs, max_context, sms)
+        def plan(layer, programs, max_context, sms, gluon=False):
+            history, windows = shipped(layer, programs, max_context, sms, gluon)
             if programs <= ops.SMALL_BATCH_PROGRAMS:
                 return history, windows
             one_warp = ops._one_warp_windows(layer, programs, splits, max_context, sms)
