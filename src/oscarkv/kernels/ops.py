@@ -386,8 +386,9 @@ def _gluon_history_splits(history: int, pages: int, programs: int, sms: int) -> 
     214.7 / 210.8 / 209.2 µs (208.4 / 203.8 with 5 / 7 in the fifty-second session). Where the splits are shorter,
     more were as fast or slower (one layer: 16x32K 9 / 13 / 17 splits 111.8 / 111.6 / 110.6 µs, 8x32K 18 / 26 / 34
     58.4 / 59.1 / 59.9, 128x4K 2 / 3 / 4 159.0 / 166.6 / 166.7, 1x128K 136 / 264 32.4 / 34.8), and this rule leaves
-    them. Not measured: the other shapes it changes (64x32K 2 -> 4 splits, 32x64K and 32x128K 4 -> 8, 16x64K 8 -> 16,
-    8x128K 16 -> 32 on 132 multiprocessors), which reach 32x32K's 8-split counts of programs and pages."""
+    them. Not measured: the other shapes it changes (on 132 multiprocessors 64x32K 2 -> 4 splits, 32x64K and 32x128K
+    4 -> 8, 16x64K 8 -> 16, 8x128K 16 -> 32, 4x256K 33 -> 64, batch 1 beyond about 540K tokens: 1x1M 132 -> 256),
+    which reach 32x32K's 8-split counts of programs and pages or come near them."""
     from .gluon_history import MIN_SPLIT_PAGES, PROGRAMS_PER_MULTIPROCESSOR
 
     longer = min(PROGRAMS_PER_MULTIPROCESSOR * sms // max(programs, 1), MAX_HISTORY_SPLITS)
@@ -428,13 +429,16 @@ def prefetched_splits(layer: PagedLayer, batch_size: int, query_heads: int, max_
     into L2 the keys of each split's first page. H100, random Qwen3-4B INT2 steps in one process, alternating:
     1×100K 4.313–4.317 → 4.281–4.289 ms, 1×30K 3.770–3.771 → 3.760–3.762, 1×60K 4.014 → 3.978, 1×8K 3.651 →
     3.642. Larger batches gave no clear gain: 4×32K 5.703 → 5.690 and 5.704 → 5.859 ms, 32×32K 13.31 → 13.32 and
-    13.36 → 13.50 (docs/data/qk-prefetch-h100.txt)."""
+    13.36 → 13.50 (docs/data/qk-prefetch-h100.txt). The plan is that of a layer without a sliding window (the
+    query/key launch does not know the window), Gluon's where the layer takes it (`gluon_history.takes_steps`)."""
     if batch_size > PREFETCH_MAX_BATCH:
         return 0
-    num_splits = choose_splits(layer, batch_size, 1, query_heads, max_context, device)
+    gluon = gluon_history.takes_steps(layer, 1, query_heads, 0, device)
+    num_splits = choose_splits(layer, batch_size, 1, query_heads, max_context, device, gluon=gluon)
     if num_splits < 2:
         return 0
-    return num_splits - window_plan(layer, batch_size, 1, query_heads, num_splits, max_context, device).splits
+    return num_splits - window_plan(layer, batch_size, 1, query_heads, num_splits, max_context, device,
+                                    gluon=gluon).splits
 
 
 def window_split_count(layer: PagedLayer, batch_size: int, max_new: int, query_heads: int, num_splits: int,
