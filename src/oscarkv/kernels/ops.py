@@ -16,9 +16,8 @@ import torch
 from ..cache.paged import PagedLayer, StepBatch
 from ..config import EXTEND_PATHS, ExtendPath
 from ..errors import OscarError
-from . import reference
+from . import gluon_history, reference
 from .extend import extend_attention, takes_dequantized_extend
-from . import gluon_history
 from .gluon_history import HISTORY_KERNELS, HistoryKernel
 from .hardware import multiprocessors as _multiprocessors
 from .hardware import register_cap_supported
@@ -389,10 +388,8 @@ def _gluon_history_splits(history: int, pages: int, programs: int, sms: int) -> 
     them. Not measured: the other shapes it changes (on 132 multiprocessors 64x32K 2 -> 4 splits, 32x64K and 32x128K
     4 -> 8, 16x64K 8 -> 16, 8x128K 16 -> 32, 4x256K 33 -> 64, batch 1 beyond about 540K tokens: 1x1M 132 -> 256),
     which reach 32x32K's 8-split counts of programs and pages or come near them."""
-    from .gluon_history import MIN_SPLIT_PAGES, PROGRAMS_PER_MULTIPROCESSOR
-
-    longer = min(PROGRAMS_PER_MULTIPROCESSOR * sms // max(programs, 1), MAX_HISTORY_SPLITS)
-    while longer > history and -(-pages // longer) < MIN_SPLIT_PAGES:
+    longer = min(gluon_history.PROGRAMS_PER_MULTIPROCESSOR * sms // max(programs, 1), MAX_HISTORY_SPLITS)
+    while longer > history and -(-pages // longer) < gluon_history.MIN_SPLIT_PAGES:
         longer -= 1
     return max(history, longer)
 
