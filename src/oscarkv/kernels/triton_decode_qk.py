@@ -71,7 +71,7 @@ PREFETCH_BLOCK = 32
 
 # The query programs of row blocks (batches beyond 1) multiply by R_K in three bfloat16 pieces on the tensor cores
 # instead of an IEEE float32 dot, which Triton runs on the CUDA cores (sm_90: 1,120 FFMA and 418 LDS of the 4,056
-# instructions of a 16-row program, 4 warps). Off: not timed yet (scripts/probe_decode_qk_rows.py, variant "pieces").
+# instructions of a 16-row program, 4 warps). Off: not timed yet (scripts/probe_decode_qk_rows.py, plans ending in p).
 # Read at each launch.
 QUERY_PIECES = False
 
