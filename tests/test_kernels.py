@@ -688,6 +688,34 @@ def test_decode_windows_shared_by_several_splits():
            extend=["dequantize", "auto", "fused", "auto"])
 
 
+@pytest.mark.parametrize("window_splits,rule,merge", [(1, True, True), (2, True, True), (3, True, False),
+                                                     (1, False, False), (2, False, False)])
+def test_window_programs_merge_the_splits(monkeypatch, window_splits, rule, merge):
+    """Decode steps with at most 2 window splits (and 32 splits in all) merge their splits in the window programs:
+    the last of each (sequence, KV head)'s window programs to arrive (an atomic count, set back to zero) reads every
+    split in order, and no combine launch runs. Three window splits take the combine launch, and so do steps where
+    the rule is switched off; all match the reference, including a sequence without a new token."""
+    from oscarkv.kernels import triton_attention
+    from oscarkv.kernels.arrival_counts import arrival_counts
+
+    if not rule:
+        monkeypatch.setattr(triton_attention, "merges_in_windows", lambda *args, **kwargs: False)
+    launched = []
+    combine = triton_attention._combine_kernel
+
+    class _Counted:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return combine[grid]
+
+    monkeypatch.setattr(triton_attention, "_combine_kernel", _Counted())
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **SMALL)
+    _drive(layout, 8, [[180, 100, 47], [1, 1, 1], [1, 0, 1], [1, 1, 1]], num_splits=window_splits + 3,
+           window_splits=window_splits, extend="dequantize")
+    assert bool(launched) != merge  # three decode steps: a combine launch each, or none
+    assert not arrival_counts(torch.device(DEVICE), 6, "window-merge").any()
+
+
 @pytest.mark.parametrize("window_splits,window,head_dim,warps,block_n", [
     (5, 0, 128, 1, 16), (3, 150, 128, 1, 16), (16, 0, 64, 1, 16), (1, 0, 64, 2, 32), (1, 0, 128, 2, 32)])
 def test_decode_windows_in_blocks_smaller_than_the_sink(window_splits, window, head_dim, warps, block_n):
@@ -958,7 +986,7 @@ def test_kernels_compile_for_the_h100():
     assert done.returncode == 0, done.stdout + done.stderr
     from oscarkv.kernels import gluon_history
 
-    configurations = 45 + 2 * gluon_history.available()  # the Gluon decode history kernel, with and without key shifts
+    configurations = 48 + 2 * gluon_history.available()  # the Gluon decode history kernel, with and without key shifts
     assert f"{configurations} kernel configurations compiled for sm_90" in done.stdout
 
 

@@ -22,7 +22,8 @@ ATTENTION_TYPES = dict(
     slots_ptr="*i32", cu_ptr="*i32", len_ptr="*i32", bt_ptr="*i32", bt_stride="i32", num_pages="i32",
     kc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vc_ptr="*u8", vs_ptr="*fp16", vz_ptr="*fp16",
     sink_k_ptr=WINDOW, sink_v_ptr=WINDOW, ring_k_ptr=WINDOW, ring_v_ptr=WINDOW, qk_scale="fp32", window="i32",
-    shift_ptr="*fp32", num_blocks="i32", k_kappa="fp32", k_unit="fp32", v_kappa="fp32", v_unit="fp32")
+    shift_ptr="*fp32", num_blocks="i32", k_kappa="fp32", k_unit="fp32", v_kappa="fp32", v_unit="fp32",
+    count_ptr="*i32")
 WRITE_TYPES = dict(
     k_ptr=WINDOW, v_ptr=WINDOW, k_rot_ptr=WINDOW, rot_ptr="*fp32", rot_head_stride="i32", mean_ptr="*fp32",
     pieces_ptr="*bf16", mean_rot_ptr="*fp32",
@@ -128,6 +129,12 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
             jobs.append(attention(17, 2, 1, warps=1, block_n=16))
         if d <= 128:  # large batches: one two-warp window program of 32-key blocks (`ops._two_warp_windows`)
             jobs.append(attention(17, 2, 1, warps=2, block_n=32))
+        # window programs that merge the splits (`triton_attention.merges_in_windows`): one, of one or two warps, or
+        # two four-warp ones per (sequence, KV head)
+        if d <= 128:
+            jobs += [attention(17, 2, 1, warps=1, block_n=16, MERGE=4), attention(17, 2, 1, warps=2, block_n=32,
+                                                                                     MERGE=4)]
+        jobs.append(attention(17, 2, 2, MERGE=4))
         # few history programs (`ops.history_warps`): four-warp history beside 16 one-warp window programs
         jobs += [attention(30, 1, 16, warps=4), attention(30, 2, 16, warps=1, block_n=16)]
         if d >= 128:  # decode history with two pages per softmax step (`ops.choose_row_groups`)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..errors import OscarError
 from . import gluon_history
+from .arrival_counts import arrival_counts
 from .gluon_history import HistoryKernel
 from .hardware import programmatic_launch_supported, register_cap_supported
 from .triton_pdl import gdc_launch_dependents as _gdc_launch_dependents, gdc_wait as _gdc_wait
@@ -655,7 +656,8 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINK_BLOCK: tl.constexpr, ASM: tl.constexpr = True,
         REGIONS: tl.constexpr = 0, WINDOW_SPLITS: tl.constexpr = 1, KEY_SHIFTS: tl.constexpr = False,
         SHIFT_BLOCK: tl.constexpr = 1, OVERLAP: tl.constexpr = 0, K_LLOYD: tl.constexpr = False,
-        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True, ROW_GROUPS: tl.constexpr = 1):
+        V_LLOYD: tl.constexpr = False, PART_PAGE: tl.constexpr = True, ROW_GROUPS: tl.constexpr = 1,
+        count_ptr=None, MERGE: tl.constexpr = 0):
     """With N = NUM_SPLITS > 1, splits 0..WS-1 (WS = WINDOW_SPLITS) share the windows (every WS-th
     block of the ring; the sink goes to split 0, the step's own tokens to split WS-1) and splits
     WS..N-1 share the history pages. REGIONS 0: every split of the grid; 1: only the history splits
@@ -673,7 +675,13 @@ def _paged_attention_kernel(
 
     ROW_GROUPS > 1 (decode history splits, sliced path): the BLOCK_M rows are ROW_GROUPS copies of the
     G query heads of one new token, each copy reading its own pages, so that one softmax step on the
-    [BLOCK_M, P] tile serves ROW_GROUPS pages instead of one page with BLOCK_M - G padding rows."""
+    [BLOCK_M, P] tile serves ROW_GROUPS pages instead of one page with BLOCK_M - G padding rows.
+
+    MERGE > 0 (window launches after the history launch, REGIONS 2): the window programs also merge the splits, in
+    place of `_combine_kernel`. After its partial is stored (and, with OVERLAP 2, the history launch has ended), the
+    last of a (sequence, KV head, query block)'s WS window programs to arrive (an atomic count at count_ptr, which it
+    sets back to 0) merges every split of the block's first MERGE rows (a power of two covering its query rows) into
+    out (`_merge_splits`)."""
     if OVERLAP >= 1:
         _gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -874,6 +882,42 @@ def _paged_attention_kernel(
         tl.store(dst + 3 * W, a3 / l_safe[:, None], mask=mask)
     if OVERLAP == 2:
         _gdc_wait()
+    if MERGE > 0:
+        tl.debug_barrier()  # every thread's partial stored before the merge reads it (or the count releases it)
+        last = True
+        if WS > 1:
+            counter = count_ptr + pid * tl.num_programs(1) + m_block
+            last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == WS - 1
+        if last:
+            rows = m_block * BLOCK_M + tl.arange(0, MERGE)
+            _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, (start + rows // G).to(tl.int64) * HQ + h * G + rows % G,
+                          rows < count * G, D, NUM_SPLITS)
+            if WS > 1:
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, q_row, row_valid, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The splits of the rows q_row merged into out as `_combine_kernel` merges them (the sums in split order), read
+    past the caches (other programs wrote them)."""
+    SPLIT_BLOCK: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
+    splits = tl.arange(0, SPLIT_BLOCK)
+    part = q_row * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + part[:, None] + splits[None, :], mask=row_valid[:, None] & (splits < NUM_SPLITS)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp2(lse - top[:, None]), 1)
+    cols = tl.arange(0, D)
+    merged = tl.zeros([q_row.shape[0], D], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        weight = tl.exp2(tl.load(part_lse_ptr + part + s, mask=row_valid, other=float("-inf"),
+                                 cache_modifier=".cg") - top)
+        merged += tl.load(part_o_ptr + (part + s)[:, None] * D + cols[None, :], mask=row_valid[:, None], other=0.0,
+                          cache_modifier=".cg") * weight[:, None]
+    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + q_row[:, None] * D + cols[None, :], merged.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None])
 
 
 @triton.jit
@@ -922,7 +966,8 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                      num_stages: int = 3, separate_windows: bool = True, window_warps: int = 4,
                      maxnreg: int | None = None, window_splits: int = 1, overlap: bool | None = None,
                      window_first: bool = False, row_groups: int = 1, window_block_n: int | None = None,
-                     combine_d_block: int | None = None, history: HistoryKernel = "auto") -> None:
+                     combine_d_block: int | None = None, history: HistoryKernel = "auto",
+                     merge: bool | None = None) -> None:
     """q: [T, Hq, D]; k_new, v_new: [T, Hkv, D]; out: [T, Hq, D]. workspace: (part_o, part_lse) when splitting.
 
     With splits, the history splits and the window split are two launches (REGIONS 1 and 2), so
@@ -951,7 +996,11 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
 
     history: the kernel of a decode step's history launch: "gluon" (`gluon_history`: half the tensor-core dots;
     an error where the step is outside its scope), "triton" (this module's kernel), or "auto" (Gluon where
-    `gluon_history.takes`, else Triton)."""
+    `gluon_history.takes`, else Triton).
+
+    merge (None: `merges_in_windows`): the window programs merge the splits (MERGE in the kernel) instead of a
+    combine launch; only where the windows launch second, one query block of a decode step holds a sequence's
+    rows, and the plan has at most MAX_MERGE_WINDOW_SPLITS window splits and MAX_MERGE_SPLITS splits."""
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"block_m={block_m}: the attention kernel takes query blocks of {BLOCK_M_CHOICES} rows "
                          "(64 or more failed on the H100 with an illegal memory access).")
@@ -1009,14 +1058,23 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                     *args, **shape, REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped,
                     **registers, OVERLAP=mode, **launch_options)
 
+        if merge is None:
+            merge = merges_in_windows(num_splits, ws, m_blocks, window_first)
+        elif merge and (window_first or m_blocks > 1):
+            raise ValueError("merge=True needs the windows launched second and one query block per sequence.")
+        merging = dict(count_ptr=arrival_counts(q.device, b * lay.kv_heads, "window-merge") if ws > 1 else None,
+                       MERGE=triton.next_power_of_2(min(block_m, batch.max_new * group))) if merge else {}
+
         def launch_windows(mode: int, launch_options: dict) -> None:
             _paged_attention_kernel[(b * lay.kv_heads, m_blocks, ws)](
                 *args, **{**shape, "BLOCK_N": window_block_n or block_n}, REGIONS=2, num_warps=window_warps,
-                num_stages=2, OVERLAP=mode, **launch_options)
+                num_stages=2, OVERLAP=mode, **launch_options, **merging)
 
         first, second = (launch_windows, launch_history) if window_first else (launch_history, launch_windows)
         first(int(overlap), {})
         second(2 * int(overlap), _programmatic(overlap))
+        if merge:
+            return
     else:
         _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits)](
             *args, **shape, REGIONS=0, num_warps=num_warps, num_stages=2)
@@ -1026,6 +1084,18 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
         _combine_kernel[(rows, d // d_block)](part_o, part_lse, out, D=d, NUM_SPLITS=num_splits,
                                               SPLIT_BLOCK=triton.next_power_of_2(num_splits), WAIT=overlap,
                                               D_BLOCK=d_block, num_warps=COMBINE_WARPS, **_programmatic(overlap))
+
+
+# Decode plans whose window programs merge the splits (`merges_in_windows`): at most this many window splits per
+# (sequence, KV head), whose last program merges alone, and this many splits in all, which it reads one by one.
+MAX_MERGE_WINDOW_SPLITS = 2
+MAX_MERGE_SPLITS = 32
+
+
+def merges_in_windows(num_splits: int, window_splits: int, m_blocks: int, window_first: bool = False) -> bool:
+    """Whether a split decode step's window programs merge its splits (`launch_attention`'s merge)."""
+    return (not window_first and m_blocks == 1 and num_splits > window_splits
+            and window_splits <= MAX_MERGE_WINDOW_SPLITS and num_splits <= MAX_MERGE_SPLITS)
 
 
 def lloyd_factors(inner: float | None) -> tuple[float, float]:

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival_counts import arrival_counts
 from .triton_pdl import gdc_launch_dependents, gdc_wait, programmatic
 from .triton_write import _round_to
 
@@ -304,22 +305,10 @@ class RowTile:
 
 
 ROW_TILE = RowTile()
-_SPLIT_COUNTS: dict[tuple, torch.Tensor] = {}
-_OUTGROWN_COUNTS: list[torch.Tensor] = []  # kept alive: CUDA graphs captured before may still use them
-
-
 def _split_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """The per-tile arrival counts of split-K launches on the current stream of `device`: zeros, which each
-    launch's last programs set back to zero (so one buffer serves every launch and CUDA-graph replay). Split
-    launches have fewer tiles than about `waves` programs per multiprocessor, so 4096 counts suffice."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    counts = _SPLIT_COUNTS.get(key)
-    if counts is None or counts.numel() < tiles:
-        if counts is not None:
-            _OUTGROWN_COUNTS.append(counts)
-        counts = _SPLIT_COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return counts
+    """The per-tile arrival counts of split-K launches (`arrival_counts`). Split launches have fewer tiles than
+    about `waves` programs per multiprocessor, so its 4096 counts suffice."""
+    return arrival_counts(device, tiles, "split-k")
 
 
 def _split_plan(x: torch.Tensor, tiles: int, k: int, m: int, tile: RowTile, pair: bool):
