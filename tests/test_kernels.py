@@ -648,7 +648,7 @@ def test_gluon_steps_split_long_histories_further(monkeypatch):
     """Steps whose history runs the Gluon kernel (16 programs fit a multiprocessor) split it into up to that wave,
     keeping 64 pages a split, and never into fewer splits than the Triton plan (132 multiprocessors, Qwen3 shapes):
     32x32K 4 -> 8 history splits (one one-warp window program still), 64x32K 2 -> 4; the shorter splits of 8x32K,
-    16x32K, 48x32K, 128x4K, 64x8K and batch 1 stay as they were."""
+    16x32K, 48x32K, 128x4K, 64x8K and batch 1 stay as they were. And their window plans."""
     import oscarkv.kernels.ops as ops
 
     monkeypatch.setattr(ops, "_multiprocessor_count", lambda device: 132)
@@ -664,6 +664,18 @@ def test_gluon_steps_split_long_histories_further(monkeypatch):
         assert splits(batch, context, True) == splits(batch, context, False), (batch, context)
     gluon_plan = ops.window_plan(layer, 32, 1, 32, 9, 32768, cpu, gluon=True)
     assert gluon_plan == ops.WindowPlan(1, warps=1, block_n=16) == ops.window_plan(layer, 32, 1, 32, 5, 32768, cpu)
+    # beyond one (sequence, KV head) pair per multiprocessor, Gluon steps read the windows with one one-warp program
+    # of 16-key blocks per pair (32x8K: two four-warp ones before; 64x8K, 128x4K: one two-warp one); 16x32K (128
+    # pairs) and batch 1 keep their plans
+    for batch, context, triton_plan in ((32, 8192, ops.WindowPlan(2)), (64, 8192, ops.LARGE_BATCH_WINDOW_PLAN),
+                                        (128, 4096, ops.LARGE_BATCH_WINDOW_PLAN)):
+        plans = [ops.window_plan(layer, batch, 1, 32, splits(batch, context, g), context, cpu, gluon=g)
+                 for g in (False, True)]
+        assert plans == [triton_plan, gluon_plan], (batch, context)
+    for batch, context in ((16, 32768), (8, 32768), (1, 131072)):
+        plans = [ops.window_plan(layer, batch, 1, 32, splits(batch, context, g), context, cpu, gluon=g)
+                 for g in (False, True)]
+        assert plans[0] == plans[1], (batch, context)
 
 
 def test_row_groups_only_for_long_decode_splits():

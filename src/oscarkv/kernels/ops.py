@@ -251,7 +251,8 @@ def _small_batch_window_splits(programs: int) -> int:
 
 
 def _one_warp_windows(layer: PagedLayer, programs: int, history_splits: int, max_context: int, sms: int) -> bool:
-    """Whether a decode step's windows are read by one one-warp program per (sequence, KV head): for
+    """Whether a decode step's windows are read by one one-warp program per (sequence, KV head) (`_decode_plan` also
+    takes that plan for Gluon steps of more (sequence, KV head) pairs than multiprocessors, see there): for
     SMALL_BATCH_PROGRAMS to 2·sms (sequence, KV head) pairs (where MID_BATCH_WINDOW_SPLITS applies otherwise),
     with head_dim 128, where the history splits read ROW_GROUP_MIN_PAGES pages or more. A one-warp program
     reading 16-key blocks takes about 167 registers and fits beside the one-warp history programs, so it
@@ -352,7 +353,14 @@ def choose_splits(layer: PagedLayer, batch_size: int, max_new: int, query_heads:
 
 def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int,
                  gluon: bool = False) -> tuple[int, WindowPlan]:
-    """History splits and window programs per (sequence, KV head) of a decode step (`choose_splits`)."""
+    """History splits and window programs per (sequence, KV head) of a decode step (`choose_splits`).
+
+    Gluon steps of more (sequence, KV head) pairs than multiprocessors read the windows with one one-warp program
+    of 16-key blocks per pair, which also merges the splits (`triton_attention.merges_in_windows`). H200, one layer,
+    Qwen3 shapes, merged in the window programs, against the plan before (two-warp programs of 32-key blocks beyond
+    2·sms pairs, else two four-warp ones of 64-key blocks): 64x8K 122.4 -> 112.1 µs, 32x8K 67.1 -> 63.7 (one two-warp
+    program: 60.1), 128x4K 134.8 -> 134.3; 32x32K kept its plan (200.0 µs; one two-warp program 197.5, two one-warp
+    ones 200.8, four 202.7; docs/data/window-merge-h200-s54.txt)."""
     tokens = max_context - layer.layout.sink_tokens
     history = PROGRAMS_PER_MULTIPROCESSOR * sms // programs  # one resident wave
     if 0 < history and history * programs < 6 * sms:  # that wave would leave a quarter idle: take two
@@ -366,7 +374,7 @@ def _decode_plan(layer: PagedLayer, programs: int, max_context: int, sms: int,
     history = max(1, min(history, tokens // 64, MAX_HISTORY_SPLITS))
     if gluon:
         history = _gluon_history_splits(history, -(-max(tokens, 0) // layer.layout.page_size), programs, sms)
-    if _one_warp_windows(layer, programs, history, max_context, sms):
+    if _one_warp_windows(layer, programs, history, max_context, sms) or (gluon and programs > sms):
         return history, WindowPlan(1, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
     if _few_history_windows(programs, history, sms):
         return history, WindowPlan(FEW_HISTORY_WINDOW_SPLITS, warps=1, block_n=ONE_WARP_WINDOW_BLOCK)
