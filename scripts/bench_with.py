@@ -1,8 +1,9 @@
 """Developer tool (GPU): `oscarkv bench decode` with module constants of oscarkv set, to time a switch (such as
-`kernels.triton_decode_qk.QUERY_PIECES`) as whole CUDA-graph decode steps. Run it once per value, alternating, in
-one call: the bench fills its caches without a prefill, so a run takes about a minute.
+`kernels.triton_attention.MAX_MERGE_WINDOW_SPLITS`, 0: no merge in the window programs) as whole CUDA-graph decode
+steps. Run it once per value, alternating, in one call: the bench fills its caches without a prefill, so a run takes
+about a minute.
 
-    PYTHONPATH=src python scripts/bench_with.py kernels.triton_decode_qk.QUERY_PIECES=1 -- \
+    PYTHONPATH=src python scripts/bench_with.py kernels.triton_attention.MAX_MERGE_WINDOW_SPLITS=0 -- \
         --model random:qwen3-4b --contexts 1000 --batch-contexts 32768 --no-largest --prefill 0 --steps 256 \
         --save out.json
 

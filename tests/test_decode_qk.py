@@ -72,21 +72,6 @@ def test_kernel_matches_reference(b, hq, hkv, d, rotation, norms, keys):
     _assert_within_an_ulp(query, ref_query)
 
 
-@pytest.mark.parametrize("b,d,rotation", [(3, 128, "shared"), (17, 64, "per_head")])
-def test_query_rotation_in_bfloat16_pieces_matches_reference(b, d, rotation, monkeypatch):
-    """QUERY_PIECES: the query programs of row blocks multiply by R_K's three bfloat16 pieces (exact products, their
-    sums in another order) and stay within an ulp of the reference; the keys keep the IEEE dot."""
-    from oscarkv.kernels import triton_decode_qk
-
-    monkeypatch.setattr(triton_decode_qk, "QUERY_PIECES", True)
-    inputs = _inputs(b, 8, 2, d, torch.bfloat16, rotation, True, seed=b + d + 1)
-    query, key = decode_query_key(*inputs, backend="triton", rotate_keys=True)
-    ref_query, ref_key = decode_query_key_reference(*inputs)
-    _assert_within_an_ulp(query, ref_query)
-    monkeypatch.setattr(triton_decode_qk, "QUERY_PIECES", False)
-    assert torch.equal(key, decode_query_key(*inputs, backend="triton", rotate_keys=True)[1])
-
-
 def test_launch_plan_keeps_a_single_rows_reductions_in_one_warp():
     """Batch 1 at D >= 128: 16 R_K columns per one-warp program (measured faster on the H100); D = 64 and more
     rows keep 32 columns in four warps, more rows as one 16-row dot."""

@@ -196,10 +196,6 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                              HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns, OVERLAP=pdl)
             jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
                          dict(decode_qk, **dict.fromkeys(triton_decode_qk.WRITE_ARGUMENTS)), dict(num_warps=warps)))
-            if batch > 1:  # the query rotation in bfloat16 pieces (`triton_decode_qk.QUERY_PIECES`)
-                jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
-                             dict(decode_qk, **dict.fromkeys(triton_decode_qk.WRITE_ARGUMENTS), QUERY_PIECES=True),
-                             dict(num_warps=warps)))
             flush = {name: value for name, value in write.items() if name not in ("HKV", "D")}
             jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
                          dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-page // 16), PREFETCH_SPLITS=132,

@@ -69,13 +69,6 @@ PREFETCH_PAGES = 1
 PREFETCH_BLOCK = 32
 
 
-# The query programs of row blocks (batches beyond 1) multiply by R_K in three bfloat16 pieces on the tensor cores
-# instead of an IEEE float32 dot, which Triton runs on the CUDA cores (sm_90: 1,120 FFMA and 418 LDS of the 4,056
-# instructions of a 16-row program, 4 warps). Off: not timed yet (scripts/probe_decode_qk_rows.py, plans ending in p).
-# Read at each launch.
-QUERY_PIECES = False
-
-
 def launch_plan(rows: int, d: int) -> tuple[int, int, int]:
     """(rows per program, R_K columns per program, warps) of a step with `rows` rows and head_dim d.
 
@@ -105,26 +98,10 @@ def _norm_rope(x_ptr, w_ptr, eps, cos, sin, valid, cols, partner, sign, D: tl.co
 
 
 @triton.jit
-def _times(x, block, BLOCK: tl.constexpr, D: tl.constexpr, PIECES: tl.constexpr = False,
-           COMPILED: tl.constexpr = True):
-    """x [BLOCK, D] · block [D, N] in float32: IEEE products; one row as a broadcast sum (no padded dot).
-    PIECES (x holding bfloat16 values, BLOCK > 1): block split into three bfloat16 pieces whose sum it is exactly,
-    each a tensor-core dot with x into one float32 sum, smallest piece first (`QUERY_PIECES`); every product is exact,
-    the sums round in another order than the IEEE dot's. COMPILED False (the CPU interpreter, whose bfloat16 dots
-    are wrong): the same pieces in float32 dots."""
+def _times(x, block, BLOCK: tl.constexpr, D: tl.constexpr):
+    """x [BLOCK, D] · block [D, N] in float32: IEEE products; one row as a broadcast sum (no padded dot)."""
     if BLOCK == 1:
         return tl.sum(tl.reshape(x, (D, 1)) * block, 0)[None, :]
-    elif PIECES:
-        high = block.to(tl.bfloat16)
-        rest = block - high.to(tl.float32)
-        middle = rest.to(tl.bfloat16)
-        low = (rest - middle.to(tl.float32)).to(tl.bfloat16)
-        if COMPILED:
-            xb = x.to(tl.bfloat16)
-            return tl.dot(xb, high, tl.dot(xb, middle, tl.dot(xb, low)))
-        else:
-            return tl.dot(x, high.to(tl.float32), tl.dot(x, middle.to(tl.float32), tl.dot(
-                x, low.to(tl.float32), input_precision="ieee"), input_precision="ieee"), input_precision="ieee")
     else:
         return tl.dot(x, block, input_precision="ieee")
 
@@ -213,14 +190,12 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
                       KEY_SHIFTS: tl.constexpr = False, SHIFT_BLOCK: tl.constexpr = 1, K_LLOYD: tl.constexpr = False,
                       V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True, FLUSH_BLOCKS: tl.constexpr = 0,
                       PREFETCH_SPLITS: tl.constexpr = 0, PREFETCH_PAGES: tl.constexpr = 0,
-                      PREFETCH_BLOCK: tl.constexpr = 32, QUERY_PIECES: tl.constexpr = False):
+                      PREFETCH_BLOCK: tl.constexpr = 32):
     """See the module doc. FLUSH_BLOCKS > 0 (a decode step that writes the cache, `launch_decode_qk`'s `write`):
     the key programs also store each row's rotated key and its value in the sink or ring
     (`_store_step_token`), and BLOCK · FLUSH_BLOCKS · HKV more programs per block of rows move the ring tokens
     that age out to their pages (`triton_write._flush_block`: one row, token block and KV head each); the
-    arguments from v_ptr on and the constexprs from NG on are the write kernel's (None and defaults otherwise;
-    COMPILED is also the query programs'). QUERY_PIECES: the query programs of row blocks rotate by R_K's bfloat16
-    pieces (`_times`) where the queries are bfloat16."""
+    arguments from v_ptr on and the constexprs from NG on are the write kernel's (None and defaults otherwise)."""
     pid = tl.program_id(1)
     blocks_per_head: tl.constexpr = D // BLOCK_N if ROTATE else 1
     key_blocks: tl.constexpr = D // BLOCK_N if ROTATE_KEYS else 1
@@ -279,8 +254,7 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
                        D, HAS_Q_NORM, dtype)
         out = q_out_ptr + r[:, None] * (HQ * D) + head * D
         if ROTATE:
-            tl.store(out + columns[None, :],
-                     _round_to(_times(x, block, BLOCK, D, QUERY_PIECES, COMPILED), dtype).to(dtype),
+            tl.store(out + columns[None, :], _round_to(_times(x, block, BLOCK, D), dtype).to(dtype),
                      mask=valid[:, None])
         else:
             tl.store(out + cols[None, :], x.to(dtype), mask=valid[:, None])
@@ -324,9 +298,7 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     if write is not None and not rotate_keys:
         raise ValueError("the query/key launch writes the cache only with rotate_keys (the keys as the cache stores them).")
     if write is None:
-        from .ops import interpreting
-
-        cache_arguments = dict(dict.fromkeys(WRITE_ARGUMENTS), COMPILED=not interpreting())
+        cache_arguments = dict.fromkeys(WRITE_ARGUMENTS)
     else:
         flush_blocks, flush = flush_arguments(write.layer, write.batch, write.clip_k, write.clip_v, decode=True)
         programs += flush_blocks * hkv * rows_per_program  # one per row of a block of rows, token block and head
@@ -345,6 +317,5 @@ def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
                             HQ=hq, HKV=hkv, D=d, ROTATE=rotate, PER_HEAD=rotate and rotation.dim() == 3,
                             ROTATE_KEYS=rotate_keys, CENTER_KEYS=rotate_keys and key_mean is not None,
                             HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, BLOCK=rows_per_program,
-                            BLOCK_N=block_n, OVERLAP=overlap, num_warps=warps,
-                            QUERY_PIECES=QUERY_PIECES and rows_per_program > 1 and q.dtype == torch.bfloat16,
-                            **cache_arguments, **programmatic(overlap))
+                            BLOCK_N=block_n, OVERLAP=overlap, num_warps=warps, **cache_arguments,
+                            **programmatic(overlap))
