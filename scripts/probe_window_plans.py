@@ -5,48 +5,65 @@ window splits); the shipped plan first (marked *), then the others, alternating,
 
     PYTHONPATH=src python scripts/probe_window_plans.py 32x32768,64x8192 1/1/16,1/2/32,2/4/64
 
-A plan is splits/warps/keys per block (`ops.WindowPlan`)."""
+A plan is splits/warps/keys per block (`ops.WindowPlan`). `layer_case` and `best_of_rounds` also serve
+scripts/probe_window_launch.py."""
 import sys
 
 import torch
 
-from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
+from oscarkv.benchmarks.attention import _time_us, decode_case
 from oscarkv.kernels import gluon_history, reference, triton_attention
 from oscarkv.kernels.ops import WindowPlan, attend_step, choose_splits, window_plan
 
-triton_attention.MAX_MERGE_WINDOW_SPLITS = 8
-PLANS = [WindowPlan(*(int(x) for x in p.split("/"))) for p in sys.argv[2].split(",")]
-copy = copy_bandwidth_gbs(torch.device("cuda"))
-for spec in sys.argv[1].split(","):
+
+def layer_case(spec: str):
+    """(case, shipped split count, shipped window plan, reference output, output buffer) of a BATCHxCONTEXT step."""
     batch, context = (int(x) for x in spec.split("x"))
     case = decode_case(batch, context)
     gluon = gluon_history.takes(case.layer, case.step, 32, 0, case.q.device)
     splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=gluon)
     shipped = window_plan(case.layer, batch, 1, 32, splits, context, case.q.device, gluon=gluon)
-    history = splits - shipped.splits
     ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5).float()
-    out = torch.zeros_like(case.q)
-    plans = [shipped] + [p for p in PLANS if p != shipped]
+    return case, splits, shipped, ref, torch.zeros_like(case.q)
 
-    def make(plan):
-        n = history + plan.splits
-        work = (torch.empty(batch, 32, n, 128, dtype=torch.float32, device="cuda"),
-                torch.empty(batch, 32, n, dtype=torch.float32, device="cuda"))
-        return lambda: attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=n,
-                                   out=out, workspace=work, validate=False, window_splits=plan)
 
-    fns = [make(p) for p in plans]
-    times = [[] for _ in plans]
-    errs = [0.0] * len(plans)
-    for rnd in range(3):
+def step(case, out, splits: int, **options):
+    """The layer's decode step with `splits` splits into `out` (workspace allocated here), attend_step's options."""
+    batch = case.q.shape[0]
+    work = (torch.empty(batch, 32, splits, 128, dtype=torch.float32, device=case.q.device),
+            torch.empty(batch, 32, splits, dtype=torch.float32, device=case.q.device))
+    return lambda: attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
+                               out=out, workspace=work, validate=False, **options)
+
+
+def best_of_rounds(fns: list, out: torch.Tensor, ref: torch.Tensor, rounds: int = 3) -> list[tuple[float, float]]:
+    """(best µs, max abs error against ref) of each function, the functions alternating over the rounds."""
+    times = [[] for _ in fns]
+    errors = [0.0] * len(fns)
+    for _ in range(rounds):
         for i, fn in enumerate(fns):
             out.zero_()
-            fn(); torch.cuda.synchronize()
-            errs[i] = (out.float() - ref).abs().max().item()
+            fn()
+            torch.cuda.synchronize()
+            errors[i] = (out.float() - ref).abs().max().item()
             times[i].append(_time_us(fn))
-    nbytes = decode_bytes(case, context)
-    print(f"{spec:>10} history {history:3d}: " + "  ".join(
-        f"{p.splits}/{p.warps}/{p.block_n or 64}{'*' if j == 0 else ''} {min(t):6.1f} ({err:.0e})"
-        for j, (p, t, err) in enumerate(zip(plans, times, errs))), flush=True)
-    case = None
-    torch.cuda.empty_cache()
+    return [(min(t), e) for t, e in zip(times, errors)]
+
+
+def main() -> None:
+    triton_attention.MAX_MERGE_WINDOW_SPLITS = 8
+    plans = [WindowPlan(*(int(x) for x in p.split("/"))) for p in sys.argv[2].split(",")]
+    for spec in sys.argv[1].split(","):
+        case, splits, shipped, ref, out = layer_case(spec)
+        history = splits - shipped.splits
+        tried = [shipped] + [p for p in plans if p != shipped]
+        results = best_of_rounds([step(case, out, history + p.splits, window_splits=p) for p in tried], out, ref)
+        print(f"{spec:>10} history {history:3d}: " + "  ".join(
+            f"{p.splits}/{p.warps}/{p.block_n or 64}{'*' if j == 0 else ''} {us:6.1f} ({err:.0e})"
+            for j, (p, (us, err)) in enumerate(zip(tried, results))), flush=True)
+        case = out = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
