@@ -986,6 +986,47 @@ def test_overlapped_decode_launches_equal_serial_launches(batch, context, window
         assert torch.equal(outputs[True], outputs[False])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs run on a GPU")
+@pytest.mark.parametrize("window_splits", [1, 2])
+def test_window_merge_replays_in_a_cuda_graph(window_splits):
+    """A decode step whose window programs merge the splits (two of them: by an atomic count), captured in a CUDA
+    graph: every replay gives the eager step's output bit for bit, within the bar of the reference, and leaves the
+    counts at zero (the last program of each pair resets its count, so the next replay counts from zero)."""
+    from oscarkv.benchmarks.attention import decode_case
+    from oscarkv.kernels import arrival_counts, reference, triton_attention
+
+    case = decode_case(3, 2500, query_heads=16, kv_heads=4)
+    splits = 8 + window_splits  # 8 history splits
+    assert triton_attention.merges_in_windows(splits, window_splits, 1)
+    workspace = (torch.empty(3, 16, splits, 128, device=case.q.device),
+                 torch.empty(3, 16, splits, device=case.q.device))
+    out = torch.zeros_like(case.q)
+
+    def step():
+        attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits, out=out,
+                    workspace=workspace, validate=False, window_splits=window_splits)
+
+    step()
+    eager = out.clone()
+    ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5)
+    torch.testing.assert_close(eager.float(), ref.float(), atol=OUTPUT_TOLERANCE, rtol=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # the capture stream's counts exist before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    for _ in range(5):
+        out.zero_()
+        workspace[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert all(not counts.any() for key, counts in arrival_counts._COUNTS.items() if key[2] == "window-merge")
+
+
 def test_kernels_compile_for_the_h100():
     """The compiler (not the interpreter) accepts the kernels: sm_90 cubins via the wheel's ptxas."""
     import os
