@@ -903,8 +903,9 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, q_row, row_valid, D: tl.con
     SPLIT_BLOCK: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
     splits = tl.arange(0, SPLIT_BLOCK)
     part = q_row * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + part[:, None] + splits[None, :], mask=row_valid[:, None] & (splits < NUM_SPLITS)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
+    in_range = row_valid[:, None] & (splits < NUM_SPLITS)[None, :]
+    lse = tl.load(part_lse_ptr + part[:, None] + splits[None, :], mask=in_range, other=float("-inf"),
+                  cache_modifier=".cg")
     top = tl.max(lse, 1)
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp2(lse - top[:, None]), 1)
