@@ -305,6 +305,8 @@ class RowTile:
 
 
 ROW_TILE = RowTile()
+
+
 def _split_counts(device: torch.device, tiles: int) -> torch.Tensor:
     """The per-tile arrival counts of split-K launches (`arrival_counts`). Split launches have fewer tiles than
     about `waves` programs per multiprocessor, so its 4096 counts suffice."""
