@@ -27,9 +27,12 @@ not give (it moved the weights through shared memory, docs/data/head-columns-var
 - The score accumulator becomes the value dot's B operand by one `movmatrix` transpose per 8x8 block
   (`_weights_operand`).
 
-Measured on the H200 (docs/kernels.md, fifty-first and fifty-second sessions): 749 SASS instructions per page in
-the loop against 1097, 64 dots against 132, 125 registers (Triton 3.6, sm_90); one layer's decode step 1.13-1.27x
-faster than with the Triton kernel at the benchmark shapes. Staging deeper (3, 4 or 6 slots) was slower.
+- The values' zero-point term Σ weight·zero is one more dot per 16 tokens (`_value_zero_operand`: an A operand
+  whose rows all hold the zeros), not a per-thread fold (fifty-fifth session).
+
+Measured on the H200 (docs/kernels.md, fifty-first, fifty-second and fifty-fifth sessions): 723 SASS instructions
+per page in the loop against 1097, 68 dots against 132, 128 registers (Triton 3.6, sm_90); one layer's decode step
+1.13-1.27x faster than with the Triton kernel at the benchmark shapes. Staging deeper (3, 4 or 6 slots) was slower.
 
 Shared memory and the window programs. A multiprocessor runs kernels of one shared-memory carve-out at a time;
 the register-prefetch kernel used none, the driver then picked a carve-out with no room for the window programs
@@ -58,9 +61,14 @@ HISTORY_KERNELS = ("auto", "triton", "gluon")
 PAGE = 64  # tokens per page the kernel is written for
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head: the 8 columns of the m16n8k16 tile
-REGISTER_CAP = 168  # 125 uncapped; the cap of `ops.HISTORY_REGISTERS_BESIDE_WINDOWS`, for the window programs
+# Registers a thread (maxnreg): the cap of `ops.HISTORY_REGISTERS_BESIDE_WINDOWS`. The kernel takes 128 uncapped, the
+# most at which 16 programs fit a multiprocessor; one more is a cliff: on the H200 a variant of the kernel at 129
+# registers took 97.5 µs for one 32x8K layer, the same capped at 128 (no spills) 70.3 µs. A cap of 128 on this kernel
+# (which then takes 124) was slower than none: 1x128K 33.1-33.2 against 32.0-32.1 µs (fifty-fifth session,
+# docs/kernels.md). So check the count (`scripts/probe_gluon_history.py sass`) after changing the kernel.
+REGISTER_CAP = 168
 STAGES = 2  # shared-memory slots of staged pages: STAGES - 1 pages in flight while one is read (see above)
-# The split plan of Gluon steps (`ops._gluon_history_splits`): 125 registers and 9.2 KB of shared memory a program, so
+# The split plan of Gluon steps (`ops._gluon_history_splits`): 128 registers and 9.2 KB of shared memory a program, so
 # 16 one-warp programs fill a multiprocessor's registers (the Triton kernel's 9); splits of at least MIN_SPLIT_PAGES.
 PROGRAMS_PER_MULTIPROCESSOR = 16
 MIN_SPLIT_PAGES = 64

@@ -30,6 +30,11 @@ VALUE_LOAD: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
 ROW_LOAD: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[],
     shape=[64]))
+# A per-token vector [64] loaded so that `_page_rows` puts it in the registers of one row of the A operand [16, 64]:
+# A's register bases k + 1, k + 8, k + 16, k + 32 and lane bases k + 2, k + 4 as tokens 8(k % 8) + k // 8.
+VALUE_ROW_LOAD: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[8], [1], [2], [4]], lane_bases=[[16], [32], [0], [0], [0]], warp_bases=[], block_bases=[],
+    shape=[64]))
 # Shared-memory layouts of a staged page [row, word] (offset bit i holds the listed coordinate) whose reads in
 # KEY_LOAD / VALUE_LOAD are free of bank conflicts (the lanes of one read cover all 32 banks), and the layouts of
 # the copies into them (16-byte pieces).
@@ -94,6 +99,15 @@ def _value_tile(w):
 def _page_rows(x):
     """A per-token vector [64] as loaded (lane 4g+c: tokens 8g..8g+7) relabelled by score row m = 8j+g."""
     return gl.reshape(gl.permute(gl.reshape(x, [8, 8]), [1, 0]), [64])
+
+
+@gluon.jit
+def _value_zero_operand(v_zero, like, A: gl.constexpr):
+    """The values' zero points [64 tokens] as loaded (VALUE_ROW_LOAD) as an A operand [16, 64] (the shape and layout
+    of `like`) each of whose rows holds them by score row k: its dot with the weights is Σ_k weight·zero per head,
+    in every row, in four tensor-core dots instead of 40 conversions, multiplies and adds per thread."""
+    x = gl.convert_layout(_page_rows(v_zero), gl.SliceLayout(0, A), assert_trivial=True)
+    return gl.broadcast(gl.expand_dims(x, 0), like)[0]
 
 
 @gluon.jit
@@ -183,10 +197,10 @@ def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, 
 @gluon.jit
 def _staged_page(slots, at):
     """Slot `at` of `slots` in registers, in the load layouts: key words, value words, key scales, key zeros, value
-    scales, value zeros."""
+    scales (ROW_LOAD), value zeros (VALUE_ROW_LOAD)."""
     kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf = slots
     return (kbuf.index(at).load(KEY_LOAD), vbuf.index(at).load(VALUE_LOAD), ksbuf.index(at).load(ROW_LOAD),
-            kzbuf.index(at).load(ROW_LOAD), vsbuf.index(at).load(ROW_LOAD), vzbuf.index(at).load(ROW_LOAD))
+            kzbuf.index(at).load(ROW_LOAD), vsbuf.index(at).load(ROW_LOAD), vzbuf.index(at).load(VALUE_ROW_LOAD))
 
 
 @gluon.jit
@@ -253,8 +267,8 @@ def history_kernel(
     vc16 = vc_ptr.to(gl.pointer_type(gl.int16))
 
     m_run = gl.full([8], float("-inf"), gl.float32, HEADS)
-    l_part = _fold_rows(gl.zeros([64, 8], gl.float32, MMA))  # Σp and Σ weight·zero, folded per thread
-    z_part = _fold_rows(gl.zeros([64, 8], gl.float32, MMA))
+    l_part = _fold_rows(gl.zeros([64, 8], gl.float32, MMA))  # Σp, folded per thread
+    z_acc = gl.zeros([WORDS, 8], gl.float32, MMA)  # Σ weight·zero per head, the same in each of the 16 rows
     acc0 = gl.zeros([WORDS, 8], gl.float32, MMA)
     acc1 = gl.zeros([WORDS, 8], gl.float32, MMA)
     acc2 = gl.zeros([WORDS, 8], gl.float32, MMA)
@@ -288,7 +302,6 @@ def history_kernel(
         k_scale = gl.convert_layout(_page_rows(ks_raw), ROWS, assert_trivial=True).to(gl.float32)
         k_zero = gl.convert_layout(_page_rows(kz_raw), ROWS, assert_trivial=True).to(gl.float32)
         v_scale = gl.convert_layout(_page_rows(vs_raw), ROWS, assert_trivial=True).to(gl.float32)
-        v_zero = gl.convert_layout(_page_rows(vz_raw), ROWS, assert_trivial=True).to(gl.float32)
 
         ka = gl.convert_layout(_key_tile(kwords), A, assert_trivial=True)
         kh = _high_bytes(ka)
@@ -314,7 +327,7 @@ def history_kernel(
             alpha = gl.exp2(m_run - m_safe)
             alpha_part = gl.convert_layout(alpha, gl.SliceLayout(0, l_part.type.layout))
             l_part = l_part * alpha_part[None, :]
-            z_part = z_part * alpha_part[None, :]
+            z_acc = z_acc * alpha[None, :]
             acc0 = acc0 * alpha[None, :]
             acc1 = acc1 * alpha[None, :]
             acc2 = acc2 * alpha[None, :]
@@ -326,9 +339,9 @@ def history_kernel(
         m_run = m_new
         weight = (p * v_scale[:, None]).to(gl.float16)  # the value scales folded into the probabilities
         l_part = l_part + _fold_rows(p)
-        z_part = z_part + _fold_rows(weight.to(gl.float32) * v_zero[:, None])  # exact products, as in Triton
         wb = _weights_operand(weight, B)
         va = gl.convert_layout(_value_tile(vwords), A, assert_trivial=True)
+        z_acc = mma_v2(_value_zero_operand(vz_raw, va, A), wb, z_acc)  # exact products, as in Triton
         vh = _high_bytes(va)
         acc0 = mma_v2(_slice_units(va, vh, 0), wb, acc0)
         acc1 = mma_v2(_slice_units(va, vh, 1), wb, acc1)
@@ -341,7 +354,7 @@ def history_kernel(
     async_copy.wait_group(0)
 
     l = gl.convert_layout(gl.sum(l_part, 0), HEADS)
-    z = gl.convert_layout(gl.sum(z_part, 0), HEADS)
+    z = gl.max(z_acc, 0)
     l_safe = gl.where(l > 0, l, 1.0)
     part_row = q_row * NUM_SPLITS + WS + split
     gl.store(part_lse_ptr + part_row, gl.where(l > 0, m_run + gl.log2(l_safe), float("-inf")), mask=row_ok)
