@@ -86,6 +86,46 @@ def compile_kernel(fn, types: dict, constexprs: dict, arch: int, aligned: bool =
     return compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def cubin_registers(kernel) -> int:
+    """Registers a thread of a compiled kernel (`compile_kernel`) takes, read from its cubin by the cuobjdump
+    shipped in the Triton wheel."""
+    import pathlib
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "kernel.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(path)], check=True, capture_output=True,
+                               text=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def _gluon_history_job(arch: int, key_shifts: bool, query_heads: int = 32, kv_heads: int = 8, sink: int = 64,
+                       recent: int = 256) -> tuple:
+    """(kernel, types, constexprs, options) of the Gluon decode history kernel (D = 128, group 128, INT2) as
+    `gluon_history.launch` launches it, with its register cap."""
+    from . import gluon_history
+    from .gluon_history_kernel import history_kernel
+    from .hardware import register_cap_supported
+
+    cap = dict(maxnreg=gluon_history.REGISTER_CAP) if register_cap_supported() else {}
+    return (history_kernel, ATTENTION_TYPES,
+            dict(HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=17, WS=4, OVERLAP=int(arch >= 90),
+                 KEY_SHIFTS=key_shifts, SHIFT_BLOCK=1024, STAGES=gluon_history.STAGES),
+            dict(num_warps=1, aligned=True, **cap))  # its page copies need 16-byte alignment
+
+
+def gluon_history_kernel(arch: int = 90, key_shifts: bool = False):
+    """The Gluon decode history kernel compiled for sm_`arch` at the Qwen3 shapes (32 query / 8 KV heads)."""
+    fn, types, constexprs, options = _gluon_history_job(arch, key_shifts)
+    return compile_kernel(fn, types, constexprs, arch, **options)
+
+
 def _compile(fn, types: dict, constexprs: dict, arch: int, **options) -> float:
     start = time.perf_counter()
     compile_kernel(fn, types, constexprs, arch, **options)
@@ -202,14 +242,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                               PREFETCH_PAGES=2),
                          dict(num_warps=warps, **unfused)))
         if gluon_history.available() and (d, group, key_bits, value_bits, page) == (128, 128, 2, 2, 64):
-            from .gluon_history_kernel import history_kernel  # decode history in Gluon (`gluon_history.takes`)
-
-            cap = dict(maxnreg=gluon_history.REGISTER_CAP) if register_cap_supported() else {}
-            for shifted in (False, True):
-                jobs.append((history_kernel, ATTENTION_TYPES,
-                             dict(HQ=hq, HKV=hkv, S=sink, R=recent, NUM_SPLITS=17, WS=4, OVERLAP=int(pdl),
-                                  KEY_SHIFTS=shifted, SHIFT_BLOCK=1024, STAGES=gluon_history.STAGES),
-                             dict(num_warps=1, aligned=True, **cap)))  # its page copies need 16-byte alignment
+            for shifted in (False, True):  # decode history in Gluon (`gluon_history.takes`)
+                jobs.append(_gluon_history_job(arch, shifted, hq, hkv, sink, recent))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1
