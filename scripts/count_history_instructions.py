@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import pathlib
 import re
-import subprocess
-import tempfile
 
 import triton
 
 from oscarkv.kernels import triton_attention
-from oscarkv.kernels.compile_check import ATTENTION_TYPES, compile_kernel
+from oscarkv.kernels.compile_check import ATTENTION_TYPES, compile_kernel, cubin_tool
 
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -52,15 +49,8 @@ def compile_history_kernel(stages: int, maxnreg: int | None, row_groups: int = 1
 
 def disassemble(cubin: bytes) -> tuple[list[str], str]:
     """(SASS lines, resource usage text) of a cubin, with the nvdisasm and cuobjdump of the installed Triton."""
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = pathlib.Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(path)], check=True, capture_output=True,
-                              text=True).stdout.splitlines()
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(path)], check=True,
-                               capture_output=True, text=True).stdout
-    return sass, usage
+    return (cubin_tool("nvdisasm", cubin, "-c").splitlines(),
+            cubin_tool("cuobjdump", cubin, "--dump-resource-usage"))
 
 
 def loop_spans(sass: list[str]) -> tuple[dict[str, int], list[tuple[int, int]]]:

@@ -86,22 +86,27 @@ def compile_kernel(fn, types: dict, constexprs: dict, arch: int, aligned: bool =
     return compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def cubin_registers(kernel) -> int:
-    """Registers a thread of a compiled kernel (`compile_kernel`) takes, read from its cubin by the cuobjdump
-    shipped in the Triton wheel."""
+def cubin_tool(tool: str, cubin: bytes, *options: str) -> str:
+    """The output of one of the CUDA tools shipped in the Triton wheel (nvdisasm, cuobjdump) on a cubin."""
     import pathlib
-    import re
     import subprocess
     import tempfile
 
     import triton
 
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path_of_tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "kernel.cubin"
-        path.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([str(tool), "--dump-resource-usage", str(path)], check=True, capture_output=True,
-                               text=True).stdout
+        path.write_bytes(cubin)
+        return subprocess.run([str(path_of_tool), *options, str(path)], check=True, capture_output=True,
+                              text=True).stdout
+
+
+def cubin_registers(kernel) -> int:
+    """Registers a thread of a compiled kernel (`compile_kernel`) takes, from its cubin's resource usage."""
+    import re
+
+    usage = cubin_tool("cuobjdump", kernel.asm["cubin"], "--dump-resource-usage")
     return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
