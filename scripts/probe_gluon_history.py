@@ -21,21 +21,13 @@ import sys
 
 def sass_main(shifts: str = "", stages: str = "") -> None:
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from count_history_instructions import count, disassemble, loop_spans
-    from oscarkv.kernels.compile_check import ATTENTION_TYPES
-    from oscarkv.kernels.gluon_history import REGISTER_CAP, STAGES
-    from oscarkv.kernels.gluon_history_kernel import history_kernel
+    from oscarkv.kernels.compile_check import gluon_history_job, compile_kernel
+    from oscarkv.kernels.gluon_history import STAGES
 
-    constexprs = dict(HQ=32, HKV=8, S=64, R=256, NUM_SPLITS=17, WS=1, OVERLAP=1,
-                      KEY_SHIFTS=shifts == "shifts", SHIFT_BLOCK=1024, STAGES=int(stages or STAGES))
-    signature = {n: "constexpr" if n in constexprs else ATTENTION_TYPES[n] for n in history_kernel.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(history_kernel.arg_names)
-             if signature[n].startswith("*")}
-    kernel = triton.compile(GluonASTSource(history_kernel, signature, constexprs, attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=REGISTER_CAP))
+    fn, types, constexprs, options = gluon_history_job(90, shifts == "shifts")  # as shipped, at the Qwen3 shapes
+    kernel = compile_kernel(fn, types, dict(constexprs, STAGES=int(stages or STAGES)), 90, **options)
     sass, usage = disassemble(kernel.asm["cubin"])
     print(f"Triton {triton.__version__}: " + usage.strip().splitlines()[-1].strip())
     for first, last in loop_spans(sass)[1]:

@@ -110,7 +110,7 @@ def cubin_registers(kernel) -> int:
     return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-def _gluon_history_job(arch: int, key_shifts: bool, query_heads: int = 32, kv_heads: int = 8, sink: int = 64,
+def gluon_history_job(arch: int, key_shifts: bool, query_heads: int = 32, kv_heads: int = 8, sink: int = 64,
                        recent: int = 256) -> tuple:
     """(kernel, types, constexprs, options) of the Gluon decode history kernel (D = 128, group 128, INT2) as
     `gluon_history.launch` launches it, with its register cap."""
@@ -127,7 +127,7 @@ def _gluon_history_job(arch: int, key_shifts: bool, query_heads: int = 32, kv_he
 
 def gluon_history_kernel(arch: int = 90, key_shifts: bool = False):
     """The Gluon decode history kernel compiled for sm_`arch` at the Qwen3 shapes (32 query / 8 KV heads)."""
-    fn, types, constexprs, options = _gluon_history_job(arch, key_shifts)
+    fn, types, constexprs, options = gluon_history_job(arch, key_shifts)
     return compile_kernel(fn, types, constexprs, arch, **options)
 
 
@@ -248,7 +248,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                          dict(num_warps=warps, **unfused)))
         if gluon_history.available() and (d, group, key_bits, value_bits, page) == (128, 128, 2, 2, 64):
             for shifted in (False, True):  # decode history in Gluon (`gluon_history.takes`)
-                jobs.append(_gluon_history_job(arch, shifted, hq, hkv, sink, recent))
+                jobs.append(gluon_history_job(arch, shifted, hq, hkv, sink, recent))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1
