@@ -23,7 +23,7 @@ def sass_main(shifts: str = "", stages: str = "") -> None:
     import triton
 
     from count_history_instructions import count, disassemble, loop_spans
-    from oscarkv.kernels.compile_check import gluon_history_job, compile_kernel
+    from oscarkv.kernels.compile_check import compile_kernel, gluon_history_job
     from oscarkv.kernels.gluon_history import STAGES
 
     fn, types, constexprs, options = gluon_history_job(90, shifts == "shifts")  # as shipped, at the Qwen3 shapes
