@@ -9,7 +9,8 @@
 the instructions of its page loop by opcode, registers and shared memory. `gpu` times one decode step
 (`ops.attend_step`, best of three CUDA-graph timings, the variants alternating) with each history kernel, against
 the torch reference; a trailing H drops the window launch (the history launch and the combine alone, a wrong
-answer); gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`. `ncu` runs one step
+answer), a trailing S gives the layer random key shifts (key_centering "rope", the default of a centered artifact); gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`, gluon~N caps its registers at N
+(`gluon_history.register_cap`). `ncu` runs one step
 with each variant, no graph, for Nsight Compute. `reads` times a kernel that stages the same history pages through
 the same slots and splits and computes nothing, beside the step: the ceiling of the kernel's memory access pattern.
 
@@ -36,8 +37,9 @@ def sass_main(shifts: str = "", stages: str = "") -> None:
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common()))
 
 
-def _step(case, splits: int, history: str, windows: bool = True):
-    """A decode step's function with the given history kernel; windows=False drops the window launch."""
+def _step(case, splits: int, history: str, windows: bool = True, layer=None):
+    """A decode step's function with the given history kernel; windows=False drops the window launch; layer: in place
+    of case.layer (`_with_key_shifts`)."""
     import torch
 
     from oscarkv.kernels import triton_attention
@@ -45,6 +47,7 @@ def _step(case, splits: int, history: str, windows: bool = True):
 
     from oscarkv.kernels import gluon_history
 
+    history, _, cap = history.partition("~")  # gluon~N: register cap N (with and without key shifts)
     history, _, stages = history.partition("@")  # gluon@N: N shared-memory slots of staged pages
     out = torch.zeros_like(case.q)
     batch = case.q.shape[0]
@@ -52,6 +55,7 @@ def _step(case, splits: int, history: str, windows: bool = True):
                  torch.empty(batch, 32, splits, dtype=torch.float32, device=case.q.device))
     shipped = triton_attention._paged_attention_kernel
     default_stages = gluon_history.STAGES
+    default_caps = gluon_history.REGISTER_CAP, gluon_history.SHIFTS_REGISTER_CAP
 
     class _NoWindows:
         def __getitem__(self, grid):
@@ -61,14 +65,29 @@ def _step(case, splits: int, history: str, windows: bool = True):
         if not windows:
             triton_attention._paged_attention_kernel = _NoWindows()
         gluon_history.STAGES = int(stages or default_stages)
+        if cap:
+            gluon_history.REGISTER_CAP = gluon_history.SHIFTS_REGISTER_CAP = int(cap)
         try:
-            attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
+            attend_step(layer or case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
                         out=out, workspace=workspace, validate=False, history=history)
         finally:
             triton_attention._paged_attention_kernel = shipped
             gluon_history.STAGES = default_stages
+            gluon_history.REGISTER_CAP, gluon_history.SHIFTS_REGISTER_CAP = default_caps
 
     return fn, out
+
+
+def _with_key_shifts(layer, context: int, block: int = 1024):
+    """The layer with random key shifts over blocks of `block` positions (key_centering "rope", the default of a
+    centered artifact; `PagedLayer.key_shifts`): the kernels then add each page's score term."""
+    from dataclasses import replace
+
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    shifts = 0.1 * torch.randn(-(-context // block) + 1, layer.layout.kv_heads, layer.layout.head_dim, generator=gen)
+    return replace(layer, key_shifts=shifts.to(layer.k_scale.device), shift_block=block)
 
 
 def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
@@ -86,14 +105,20 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
         case = decode_case(batch, context)
         gluon = gluon_history.takes(case.layer, case.step, 32, 0, case.q.device)  # the plan of the shipped step
         splits = int(forced) if forced else choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=gluon)
-        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new,
-                                            128 ** -0.5).float()
-        steps = {name: _step(case, splits, name.rstrip("H"), windows=not name.endswith("H")) for name in names}
-        errors = {}
+        shifted = _with_key_shifts(case.layer, context) if any("S" in name for name in names) else None
+        refs = {key: reference.attention_reference(layer, case.step, case.q, case.k_new, case.v_new,
+                                                   128 ** -0.5).float()
+                for key, layer in (("plain", case.layer), ("shifted", shifted)) if layer is not None}
+        steps, errors = {}, {}
+        for name in names:  # a suffix H drops the window launch, S adds key shifts
+            flags = name[len(name.rstrip("HS")):]
+            steps[name] = _step(case, splits, name.rstrip("HS"), windows="H" not in flags,
+                                layer=shifted if "S" in flags else None)
         for name, (fn, out) in steps.items():
             fn()
             torch.cuda.synchronize()
-            errors[name] = (out.float() - ref).abs().max().item()
+            errors[name] = (out.float() - refs["shifted" if "S" in name[len(name.rstrip("HS")):] else "plain"]
+                            ).abs().max().item()
         times = {name: [] for name in names}
         for _ in range(3):
             for name in names:
@@ -105,7 +130,7 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
             line += (f"  {name} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%}, err {errors[name]:.1e}, "
                      f"{min(times[names[0]]) / us:.2f}x)")
         print(line + f"  [copy {copy:.0f} GB/s]", flush=True)
-        case = steps = ref = None
+        case = steps = refs = shifted = None
         torch.cuda.empty_cache()
 
 
@@ -115,8 +140,8 @@ def _read_pages_kernel_fn():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from oscarkv.kernels.gluon_history_kernel import (KEY_LOAD, ROW_LOAD, VALUE_LOAD, _page_slots, _stage_page,
-                                                      _staged_page, _warp_barrier, async_copy)
+    from oscarkv.kernels.gluon_history_kernel import (KEY_LOAD, ROW_LOAD, VALUE_LOAD, VALUE_ROW_LOAD, _page_slots,
+                                                      _stage_page, _staged_page, _warp_barrier, async_copy)
 
     @gluon.jit
     def read_pages(slots_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, out_ptr,
@@ -140,6 +165,7 @@ def _read_pages_kernel_fn():
         key_sum = gl.zeros([64, 16], gl.int16, KEY_LOAD)
         value_sum = gl.zeros([64, 16], gl.int16, VALUE_LOAD)
         row_sum = gl.zeros([64], gl.float16, ROW_LOAD)
+        zero_sum = gl.zeros([64], gl.float16, VALUE_ROW_LOAD)  # the value zeros' load layout (`_staged_page`)
         for index in range(lo, hi):
             i = index - lo
             async_copy.wait_group(STAGES - 2)
@@ -150,10 +176,11 @@ def _read_pages_kernel_fn():
             kwords, vwords, ks, kz, vs, vz = _staged_page(slots, i % STAGES)
             key_sum = key_sum ^ kwords
             value_sum = value_sum ^ vwords
-            row_sum = row_sum + ks + kz + vs + vz
+            row_sum = row_sum + ks + kz + vs
+            zero_sum = zero_sum + vz
         async_copy.wait_group(0)
         total = (gl.sum(gl.sum(key_sum.to(gl.int32), 1), 0) + gl.sum(gl.sum(value_sum.to(gl.int32), 1), 0)
-                 + gl.sum(row_sum.to(gl.float32), 0).to(gl.int32))
+                 + gl.sum(row_sum.to(gl.float32), 0).to(gl.int32) + gl.sum(zero_sum.to(gl.float32), 0).to(gl.int32))
         gl.store(out_ptr + pid * SPLITS + split, total)
 
     return read_pages
@@ -205,9 +232,12 @@ def ncu_main(shape: str, variants: str = "triton,gluon") -> None:
     from oscarkv.benchmarks.attention import decode_case
     from oscarkv.kernels.ops import choose_splits
 
+    from oscarkv.kernels import gluon_history
+
     batch, context = (int(x) for x in shape.split("x"))
     case = decode_case(batch, context)
-    splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device)
+    gluon = gluon_history.takes(case.layer, case.step, 32, 0, case.q.device)  # the plan of the shipped step
+    splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=gluon)
     for history in variants.split(","):
         _step(case, splits, history)[0]()
     torch.cuda.synchronize()

@@ -1043,11 +1043,14 @@ def test_kernels_compile_for_the_h100():
     assert f"{configurations} kernel configurations compiled for sm_90" in done.stdout
 
 
-def test_gluon_history_fits_sixteen_programs_a_multiprocessor():
-    """With the Triton of the GPU machine (3.6) the Gluon history kernel takes at most 128 registers a thread, so that
-    the 16 one-warp programs a multiprocessor of its split plan (`gluon_history.PROGRAMS_PER_MULTIPROCESSOR`) fit:
-    a variant at 129 took one 32x8K layer from 70 to 97.5 µs on the H200 (fifty-fifth session). Other Triton
-    versions allocate differently (3.9: 136) and were not timed, so only 3.6 is held to it."""
+@pytest.mark.parametrize("key_shifts", [False, True])
+def test_gluon_history_fits_sixteen_programs_a_multiprocessor(key_shifts):
+    """With the Triton of the GPU machine (3.6) the Gluon history kernel takes at most 128 registers a thread, with and
+    without key shifts (key_centering "rope", the default of a centered artifact), so that the 16 one-warp programs
+    a multiprocessor of its split plan (`gluon_history.PROGRAMS_PER_MULTIPROCESSOR`) fit: a variant at 129 took one
+    32x8K layer from 70 to 97.5 µs on the H200 (fifty-fifth session), and the key-shift kernel at 132-136 from 66.5
+    to 98.3 µs (fifty-sixth). Other Triton versions allocate differently (3.9: 136 without shifts) and were not
+    timed, so only 3.6 is held to it."""
     import os
     import subprocess
     import sys
@@ -1059,7 +1062,7 @@ def test_gluon_history_fits_sixteen_programs_a_multiprocessor():
     if not gluon_history.available() or not triton.__version__.startswith("3.6."):
         pytest.skip("the register budget was measured with Triton 3.6's Gluon kernel")
     code = ("from oscarkv.kernels import compile_check as c; "
-            "print(c.cubin_registers(c.gluon_history_kernel(90)))")
+            f"print(c.cubin_registers(c.gluon_history_kernel(90, key_shifts={key_shifts})))")
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"),
                           capture_output=True, text=True, timeout=600)  # compiled, not interpreted
     assert done.returncode == 0, done.stdout + done.stderr

@@ -118,7 +118,7 @@ def gluon_history_job(arch: int, key_shifts: bool, query_heads: int = 32, kv_hea
     from .gluon_history_kernel import history_kernel
     from .hardware import register_cap_supported
 
-    cap = dict(maxnreg=gluon_history.REGISTER_CAP) if register_cap_supported() else {}
+    cap = dict(maxnreg=gluon_history.register_cap(key_shifts)) if register_cap_supported() else {}
     return (history_kernel, ATTENTION_TYPES,
             dict(HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=17, WS=4, OVERLAP=int(arch >= 90),
                  KEY_SHIFTS=key_shifts, SHIFT_BLOCK=1024, STAGES=gluon_history.STAGES),

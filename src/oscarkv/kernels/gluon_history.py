@@ -67,6 +67,9 @@ MAX_GROUP = 8  # query heads per KV head: the 8 columns of the m16n8k16 tile
 # (which then takes 124) was slower than none: 1x128K 33.1-33.2 against 32.0-32.1 µs (fifty-fifth session,
 # docs/kernels.md). So check the count (`scripts/probe_gluon_history.py sass`) after changing the kernel.
 REGISTER_CAP = 168
+# With key shifts (key_centering "rope", the default of a centered artifact) the kernel takes 132 uncapped; capped at
+# 128 it does not spill (749 instructions a page against 743).
+SHIFTS_REGISTER_CAP = 128
 STAGES = 2  # shared-memory slots of staged pages: STAGES - 1 pages in flight while one is read (see above)
 # The split plan of Gluon steps (`ops._gluon_history_splits`): 128 registers and 9.2 KB of shared memory a program, so
 # 16 one-warp programs fill a multiprocessor's registers (the Triton kernel's 9); splits of at least MIN_SPLIT_PAGES.
@@ -108,6 +111,11 @@ def takes_steps(layer, max_new: int, query_heads: int, window: int, device: torc
             and torch.cuda.get_device_capability(device.index or 0) >= (8, 0) and available())
 
 
+def register_cap(key_shifts: bool) -> int:
+    """The launch's register cap (maxnreg): SHIFTS_REGISTER_CAP with key shifts, else REGISTER_CAP."""
+    return SHIFTS_REGISTER_CAP if key_shifts else REGISTER_CAP
+
+
 def launch(grid: tuple[int, int], args: tuple, query_heads: int, kv_heads: int, sink: int, recent: int,
            num_splits: int, window_splits: int, overlap: int, shift_block: int, options: dict) -> None:
     """The history splits window_splits..num_splits-1 of a decode step; args: `launch_attention`'s argument tuple
@@ -116,7 +124,7 @@ def launch(grid: tuple[int, int], args: tuple, query_heads: int, kv_heads: int, 
     from .gluon_history_kernel import history_kernel
     from .hardware import register_cap_supported
 
-    cap = dict(maxnreg=REGISTER_CAP) if register_cap_supported() else {}
+    cap = dict(maxnreg=register_cap(shift_block > 0)) if register_cap_supported() else {}
     history_kernel[grid](*args, HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=num_splits,
                          WS=window_splits, OVERLAP=overlap, KEY_SHIFTS=shift_block > 0,
                          SHIFT_BLOCK=max(shift_block, 1), STAGES=STAGES, num_warps=1, **cap, **options)

@@ -263,6 +263,9 @@ def history_kernel(
     row_ok = (n < G) & (count > 0)
     q_row = start.to(gl.int64) * HQ + h * G + n
 
+    if KEY_SHIFTS:  # the score terms of the heads' rows: [rows, blocks] (`triton_attention.score_shift_terms`)
+        shift_row0 = (start.to(gl.int64) * HQ + h * G) * num_blocks
+        shift_column = n * num_blocks
     kc16 = kc_ptr.to(gl.pointer_type(gl.int16))
     vc16 = vc_ptr.to(gl.pointer_type(gl.int16))
 
@@ -315,14 +318,17 @@ def history_kernel(
         d = mma_v2(_slice_units(ka, kh, 6), qs6, d)
         d = mma_v2(_slice_units(ka, kh, 7), qs7, d)
         scores = k_scale[:, None] * (d - k_zero[:, None] * q_sum[None, :]) + gl.where(page_ok, 0.0, float("-inf"))
-        if KEY_SHIFTS:  # `triton_attention._score_shift`: the term of the page's block, in units of the dots
+        m_page = gl.max(scores, 0) * units
+        if KEY_SHIFTS:  # `triton_attention._score_shift`: the term of the page's block (base-2 score units)
             block = gl.minimum((S + index * P) // SHIFT_BLOCK, num_blocks - 1)
-            shift = gl.load(shift_ptr + q_row * num_blocks + block, mask=row_ok, other=0.0)
-            scores = scores + (shift / units)[None, :]
-
-        m_new = gl.maximum(m_run, gl.max(scores, 0) * units)
+            shift = gl.load(shift_ptr + shift_row0 + shift_column + block, mask=row_ok, other=0.0)
+            m_page = m_page + shift
+        m_new = gl.maximum(m_run, m_page)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(scores * units - m_safe[None, :])
+        if KEY_SHIFTS:  # exp2(scores·units + shift - m): the term joins the max subtracted, no work per element
+            p = gl.exp2(scores * units - (m_safe - shift)[None, :])
+        else:
+            p = gl.exp2(scores * units - m_safe[None, :])
         if gl.max((m_new > m_run).to(gl.int32), 0) > 0:  # alpha is exactly 1 on the other heads
             alpha = gl.exp2(m_run - m_safe)
             alpha_part = gl.convert_layout(alpha, gl.SliceLayout(0, l_part.type.layout))

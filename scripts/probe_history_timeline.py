@@ -1,0 +1,148 @@
+"""Developer tool (GPU): when each program of the Gluon decode history launch starts and ends, and on which
+multiprocessor, for one decode step at each shape.
+
+    PYTHONPATH=src:scripts python scripts/probe_history_timeline.py 1x131072,32x32768[:SPLITS] [--save DIR] [--key-shifts]
+
+It builds a copy of `gluon_history_kernel.history_kernel` whose programs also read the GPU's global timer and their
+multiprocessor id at their start and end (four int64 stores per program, nothing else changed), runs the shipped step
+(`ops.attend_step`, the plan `bench attention` takes, or SPLITS splits in all) with it eagerly after a warm-up, and prints:
+- the launch's span (first start to last end) and, as fractions of it, when the programs start and end;
+- the programs' durations (min / median / max) and pages per program;
+- the mean number of resident programs per multiprocessor over the span (what Nsight Compute calls achieved
+  occupancy), and the span's part after the first multiprocessor has run out of programs (the tail).
+--save writes the raw records (program, split, sm, start, end in ns from the first start) as CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+TIMER = '''
+@gluon.jit
+def _clock_and_sm():
+    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    return t, sm
+
+'''
+
+
+def timed_kernel():
+    """The shipped kernel's source with timer stores, loaded as a module of its own (Gluon compiles from source)."""
+    from oscarkv.kernels import gluon_history_kernel
+
+    source = inspect.getsource(gluon_history_kernel)
+    head, _, body = source.partition("@gluon.jit\ndef history_kernel(")
+    body = body.replace("STAGES: gl.constexpr = 2):", "STAGES: gl.constexpr = 2, timer_ptr=None):", 1)
+    start_marker = "    pid = gl.program_id(0)\n    split = gl.program_id(1)\n"
+    assert start_marker in body
+    body = body.replace(start_marker, start_marker + "    t_start, sm = _clock_and_sm()\n", 1)
+    end_marker = "    if OVERLAP == 2:\n        _grid_dependency(\"griddepcontrol.wait;\")\n"
+    assert body.endswith(end_marker)
+    record = ("    t_end, _ = _clock_and_sm()\n"
+              "    rec = timer_ptr + (pid * gl.num_programs(1) + split) * 4\n"
+              "    gl.store(rec, t_start)\n    gl.store(rec + 1, t_end)\n"
+              "    gl.store(rec + 2, sm.to(gl.int64))\n    gl.store(rec + 3, (hi - lo).to(gl.int64))\n")
+    body = body[:-len(end_marker)] + record + end_marker
+    text = head + TIMER + "@gluon.jit\ndef history_kernel(" + body
+    path = Path(tempfile.mkdtemp()) / "timed_history_kernel.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("timed_history_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["timed_history_kernel"] = module
+    spec.loader.exec_module(module)
+    return module.history_kernel
+
+
+def run_shape(batch: int, context: int, timed, save: Path | None, forced: int | None = None,
+              key_shifts: bool = False) -> None:
+    from oscarkv.benchmarks.attention import decode_case
+    from oscarkv.kernels import gluon_history, gluon_history_kernel
+    from oscarkv.kernels.ops import attend_step, choose_splits
+
+    from probe_gluon_history import _with_key_shifts
+
+    case = decode_case(batch, context)
+    layer = _with_key_shifts(case.layer, context) if key_shifts else case.layer
+    device = case.q.device
+    assert gluon_history.takes(case.layer, case.step, 32, 0, device)
+    splits = forced or choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
+    out = torch.empty_like(case.q)
+    workspace = (torch.empty(batch, 32, splits, 128, device=device), torch.empty(batch, 32, splits, device=device))
+    records = torch.zeros(batch * 8 * splits, 4, dtype=torch.int64, device=device)
+    shipped = gluon_history_kernel.history_kernel
+
+    class Timed:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: timed[grid](*args, timer_ptr=records, **kw)
+
+    def step():
+        attend_step(layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits, out=out,
+                    workspace=workspace, validate=False)
+
+    gluon_history_kernel.history_kernel = Timed()
+    try:
+        for _ in range(5):
+            records.zero_()
+            step()
+        torch.cuda.synchronize()
+    finally:
+        gluon_history_kernel.history_kernel = shipped
+    rec = records[records[:, 1] > 0].cpu()
+    programs = rec.shape[0]
+    t0 = rec[:, 0].min()
+    start, end = (rec[:, 0] - t0).double(), (rec[:, 1] - t0).double()
+    span = end.max().item()
+    dur = end - start
+    sms = int(rec[:, 2].max().item()) + 1
+    # resident programs per multiprocessor over the span, and the tail after the first multiprocessor empties
+    resident = dur.sum().item() / (sms * span)
+    last_end = torch.zeros(sms, dtype=torch.float64).index_reduce_(0, rec[:, 2], end, "amax", include_self=False)
+    used = torch.bincount(rec[:, 2], minlength=sms)
+    tail = span - last_end[used > 0].min().item()
+
+    def q(x, f):
+        return torch.quantile(x, f).item()
+
+    print(f"{batch}x{context}{' with key shifts' if key_shifts else ''}: {splits} splits, {programs} history programs on {int((used > 0).sum())} of {sms} SMs "
+          f"(per SM {used.min().item()}-{used.max().item()}), pages per program "
+          f"{int(rec[:, 3].min())}-{int(rec[:, 3].max())}")
+    print(f"  span {span / 1e3:.1f} us; starts at 0 / 50% / 100% of programs: {q(start, 0) / 1e3:.1f} / "
+          f"{q(start, .5) / 1e3:.1f} / {start.max().item() / 1e3:.1f} us; ends 0 / 10% / 50% / 90% / 100%: "
+          f"{end.min().item() / 1e3:.1f} / {q(end, .1) / 1e3:.1f} / {q(end, .5) / 1e3:.1f} / {q(end, .9) / 1e3:.1f} / "
+          f"{span / 1e3:.1f} us")
+    print(f"  durations min / median / max {dur.min().item() / 1e3:.1f} / {q(dur, .5) / 1e3:.1f} / "
+          f"{dur.max().item() / 1e3:.1f} us; resident programs per SM over the span {resident:.2f}; "
+          f"first SM empty at {(span - tail) / 1e3:.1f} us (tail {tail / 1e3:.1f} us, {tail / span:.0%})")
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        path = save / f"history-timeline-{batch}x{context}-{splits}{'-shifts' if key_shifts else ''}.csv"
+        with path.open("w") as f:
+            f.write("program,split,sm,start_ns,end_ns,pages\n")
+            for i, (s, e, sm, pages) in enumerate(rec.tolist()):
+                f.write(f"{i // splits},{i % splits},{sm},{s - t0.item()},{e - t0.item()},{pages}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", default="1x131072,32x32768", nargs="?")
+    parser.add_argument("--save", type=Path)
+    parser.add_argument("--key-shifts", action="store_true", help="random key shifts (key_centering 'rope')")
+    args = parser.parse_args()
+    timed = timed_kernel()
+    for spec in args.shapes.split(","):
+        shape, _, forced = spec.partition(":")
+        batch, context = (int(x) for x in shape.split("x"))
+        run_shape(batch, context, timed, args.save, int(forced) if forced else None, args.key_shifts)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
