@@ -7,8 +7,8 @@ step, the same model, the same argmax); only the cache differs:
   (group 128), the kernels of `oscarkv.kernels`. The model is patched with the `hadamard`
   method: OSCAR's kernels and bytes with every layer INT2 (a calibrated OSCAR artifact adds
   the centering subtraction in the write, with the default key centering the per-page score
-  term of its key shifts, at most 3% of a decode layer (docs/kernels.md), and may keep a few
-  layers INT4).
+  term of its key shifts, 4-23% of a decode layer on the H200 (docs/decode.md, fifty-sixth
+  session), and may keep a few layers INT4).
 
 Before decoding, each cache is filled to the context length: the INT2 cache through its
 write kernel, the BF16 cache by writing its buffers, both with random keys and values

@@ -29,6 +29,9 @@ not give (it moved the weights through shared memory, docs/data/head-columns-var
 
 - The values' zero-point term Σ weight·zero is one more dot per 16 tokens (`_value_zero_operand`: an A operand
   whose rows all hold the zeros), not a per-thread fold (fifty-fifth session).
+- Key shifts: the page's score term t enters as exp2(s·u − (m − t)), with t also added to the page's maximum, so
+  it costs two adds a page and no work per score; the launch is capped at 128 registers with shifts (fifty-sixth
+  session: it took 136 before, 15 programs a multiprocessor, and a 32x8K layer 98 µs instead of 66.5).
 
 Measured on the H200 (docs/kernels.md, fifty-first, fifty-second and fifty-fifth sessions): 723 SASS instructions
 per page in the loop against 1097, 68 dots against 132, 128 registers (Triton 3.6, sm_90); one layer's decode step
