@@ -70,6 +70,25 @@ def test_tables_say_which_linear_layers_and_small_operations_the_steps_ran():
     assert "both caches' steps" not in decode_tables(untold)
 
 
+def test_centered_runs_the_int2_cache_with_key_shifts_and_the_tables_say_so():
+    """`bench decode --centered` patches the INT2 cache as a calibrated oscar artifact runs: centered keys with
+    RoPE-following shifts (what the default key centering takes); without it, the hadamard method, no shifts."""
+    from oscarkv.benchmarks.decode import _patch
+    from oscarkv.report import decode_tables
+
+    model = tiny_model("qwen3")
+    _patch(model, "int2", centered=True)
+    assert model.oscar.artifact.centered and all(spec.k_mean_shifts is not None for spec in model.oscar.specs)
+    _patch(model, "int2")
+    assert all(spec.k_mean_shifts is None and spec.k_mean is None for spec in model.oscar.specs)
+    saved = json.loads((DATA / "bench-decode-qwen3-4b-h200-few-rows.json").read_text())
+    saved["settings"]["centered"] = True
+    assert "INT2 cache: an oscar artifact's centering, keys with RoPE-following shifts (--centered)" in \
+        decode_tables(saved)
+    saved["settings"]["centered"] = False
+    assert "INT2 cache: the hadamard method, no centering" in decode_tables(saved)
+
+
 def test_output_its_reader_stops_reading_ends_quietly():
     """`oscarkv bench decode --from-json ... | head`: once the reader has gone, the command stops without a
     traceback (its JSON here is 150 KB, more than a pipe holds, so the writes do meet the closed pipe)."""

@@ -458,7 +458,8 @@ def cmd_bench_decode(args) -> int:
         contexts, batch_contexts = _ints(args.contexts, "--contexts"), _ints(args.batch_contexts, "--batch-contexts")
         settings = Settings(args.model, tuple(contexts), args.batch, tuple(batch_contexts),
                             not args.no_largest, args.prefill, steps=args.steps,
-                            compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas)
+                            compile_small_ops=not args.eager_small_ops, decode_gemv=not args.cublas,
+                            centered=args.centered)
         with tqdm(desc="bench decode", bar_format="{desc}: {elapsed} {postfix}", disable=args.json) as bar:
             results = [run(settings, progress=lambda message: bar.set_postfix_str(message))]
         if args.save:
@@ -750,6 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cublas", action="store_true",
                    help="run the decode steps' linear layers through cuBLAS (default: Triton kernels at batch 1 "
                         "to 32, CacheConfig.decode_gemv)")
+    b.add_argument("--centered", action="store_true",
+                   help="run the INT2 cache as a calibrated oscar artifact does: keys and values centered, the keys "
+                        "with RoPE-following shifts (a synthetic artifact; default: the hadamard method, no centering)")
     b.add_argument("--save", default=None, help="write the results to this JSON file")
     b.add_argument("--plot", default=None, help="write the tokens/s vs context plot to this PNG")
     b.add_argument("--from-json", nargs="+", default=None,

@@ -127,6 +127,10 @@ def decode_tables(result: dict) -> str:
     path = _decode_path(result.get("settings") or {})
     if path:
         parts.append(f"both caches' steps: {path}")
+    centered = (result.get("settings") or {}).get("centered")
+    if centered is not None:
+        parts.append("INT2 cache: " + ("an oscar artifact's centering, keys with RoPE-following shifts (--centered)"
+                                       if centered else "the hadamard method, no centering (without --centered)"))
     for key, title in (("single", "batch 1"), ("equal_memory", "equal KV memory (the INT2 cache of the INT2 batch)"),
                        ("largest", "the largest batch that fits")):
         if result.get(key):

@@ -5,10 +5,11 @@ step, the same model, the same argmax); only the cache differs:
 - BF16: `DenseSlotCache`, contiguous K/V per slot, decode attention by `attend_dense`;
 - INT2: `PagedSlotCache`, BF16 sink (64) and recent ring (256 + one page), INT2 history pages
   (group 128), the kernels of `oscarkv.kernels`. The model is patched with the `hadamard`
-  method: OSCAR's kernels and bytes with every layer INT2 (a calibrated OSCAR artifact adds
-  the centering subtraction in the write, with the default key centering the per-page score
+  method: OSCAR's kernels and bytes with every layer INT2. A calibrated OSCAR artifact adds
+  the centering subtraction in the write and, with the default key centering, the per-page score
   term of its key shifts, 4-23% of a decode layer on the H200 (docs/decode.md, fifty-sixth
-  session), and may keep a few layers INT4).
+  session), and may keep a few layers INT4. `Settings.centered` measures that configuration
+  instead: the `oscar` method with `centered_artifact` (every layer INT2).
 
 Before decoding, each cache is filled to the context length: the INT2 cache through its
 write kernel, the BF16 cache by writing its buffers, both with random keys and values
@@ -31,7 +32,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..config import CacheConfig
+from ..calibration.artifact import RotationArtifact
+from ..config import CacheConfig, QuantConfig
 from ..integrations.slots import DenseSlotCache, PagedSlotCache
 from ..integrations.static_decode import StaticDecoder, forward_slots, slot_cache_for
 from ..kernels.ops import write_step
@@ -78,6 +80,9 @@ class Settings:
     memory_margin_gib: float = 6.0
     compile_small_ops: bool = True  # CacheConfig.compile_small_ops of both caches' static steps
     decode_gemv: bool = True  # CacheConfig.decode_gemv: linear products of batches 1-32 by the Triton kernels
+    # The INT2 cache as a calibrated `oscar` artifact runs it: keys and values centered, the keys with RoPE-following
+    # shifts (the default key centering), through `centered_artifact`; False: the hadamard method, no centering.
+    centered: bool = False
 
 
 def weight_bytes(model) -> int:
@@ -147,20 +152,45 @@ def fill(cache, slots: list[int], context: int, chunk_tokens: int = 65536, seed:
     cache.set_batch(slots)
 
 
-def _patch(model, name: str, compile_small_ops: bool = True, decode_gemv: bool = True) -> None:
+CENTERING_CHUNK = 1024  # `centered_artifact`'s calibration chunk: the key shifts' block of positions
+
+
+def centered_artifact(model, seed: int = 0) -> RotationArtifact:
+    """A data-free artifact that centers as a calibrated `oscar` one does: Hadamard rotations, random key and value
+    means, calibrated at start positions in CENTERING_CHUNK-token chunks, so that the default key centering takes
+    RoPE-following key shifts (`CacheConfig.key_centering`). Decode speed does not depend on the values."""
+    from ..methods import data_free_artifact
+    from ..models import attention_shape
+
+    shape = attention_shape(model)
+    artifact = data_free_artifact(model, "hadamard", QuantConfig.for_head_dim(shape.head_dim))
+    gen = torch.Generator().manual_seed(seed)
+    for layer in artifact.layers:
+        layer.k_mean = torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen)
+        layer.v_mean = 0.1 * torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen)
+    artifact.method = "oscar"
+    artifact.calibration = {"tokens": 0, "sources": [], "positions": "start", "chunk_tokens": CENTERING_CHUNK}
+    return artifact
+
+
+def _patch(model, name: str, compile_small_ops: bool = True, decode_gemv: bool = True, centered: bool = False) -> None:
     import oscarkv
 
-    oscarkv.patch(model, method=METHODS[name],
-                  cache=CacheConfig(compile_small_ops=compile_small_ops, decode_gemv=decode_gemv))
+    cache = CacheConfig(compile_small_ops=compile_small_ops, decode_gemv=decode_gemv)
+    if centered and name == "int2":
+        oscarkv.patch(model, centered_artifact(model), method="oscar", cache=cache)
+    else:
+        oscarkv.patch(model, method=METHODS[name], cache=cache)
 
 
 def decode_run(model, name: str, batch: int, context: int, steps: int, weights: int, bandwidth_gbs: float,
-               compile_small_ops: bool = True, decode_gemv: bool = True) -> DecodeRun:
+               compile_small_ops: bool = True, decode_gemv: bool = True, centered: bool = False) -> DecodeRun:
     """Fill a fresh cache of `batch` slots to `context` tokens, then time `steps` graph-replayed steps
     (compile_small_ops: the static steps' norms, MLPs and rotary embedding compiled, the default;
-    decode_gemv: the linear products of batches of 1 to 32 by the Triton kernels, the default)."""
+    decode_gemv: the linear products of batches of 1 to 32 by the Triton kernels, the default; centered: the INT2
+    cache as an `oscar` artifact runs it, `Settings.centered`)."""
     release_memory()  # the previous run's cache, now garbage
-    _patch(model, name, compile_small_ops, decode_gemv)
+    _patch(model, name, compile_small_ops, decode_gemv, centered)
     warmup = 2
     total = context + warmup + steps + 1
     cache = slot_cache_for(model, batch, total)
@@ -183,10 +213,10 @@ def decode_run(model, name: str, batch: int, context: int, steps: int, weights: 
                      roofline_ms / step_ms, allocated)
 
 
-def prefill_run(model, name: str, tokens: int, repeats: int = 2) -> PrefillRun:
+def prefill_run(model, name: str, tokens: int, repeats: int = 2, centered: bool = False) -> PrefillRun:
     """Time a real forward over a `tokens`-token prompt into an empty cache (best of `repeats`, after one warm-up)."""
     release_memory()
-    _patch(model, name)
+    _patch(model, name, centered=centered)
     cache = slot_cache_for(model, 1, tokens + 1)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
     best = float("inf")
@@ -207,10 +237,10 @@ def prefill_run(model, name: str, tokens: int, repeats: int = 2) -> PrefillRun:
     return PrefillRun(name, tokens, best * 1e3, tokens / best)
 
 
-def bits_per_element(model, context: int) -> dict:
+def bits_per_element(model, context: int, centered: bool = False) -> dict:
     """Bits per stored K/V element of one INT2 slot holding `context` tokens, from the allocator."""
     release_memory()
-    _patch(model, "int2")
+    _patch(model, "int2", centered=centered)
     state = model.oscar
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -261,7 +291,8 @@ def run(settings: Settings, progress=None) -> dict:
             say(f"{name} batch {batch} x {context} tokens")
             try:
                 runs[name] = asdict(decode_run(model, name, batch, context, settings.steps, weights, bandwidth,
-                                               settings.compile_small_ops, settings.decode_gemv)) if batch else None
+                                               settings.compile_small_ops, settings.decode_gemv,
+                                               settings.centered)) if batch else None
             except torch.OutOfMemoryError as exc:  # recorded, and the other runs go on
                 release_memory()
                 runs[name] = None
@@ -291,10 +322,11 @@ def run(settings: Settings, progress=None) -> dict:
             result["largest"].append({"context": context, **pair(fits, context)})
     if settings.prefill_tokens and settings.prefill_tokens < limit:
         say(f"prefill of {settings.prefill_tokens} tokens")
-        result["prefill"] = {name: asdict(prefill_run(model, name, settings.prefill_tokens)) for name in METHODS}
+        result["prefill"] = {name: asdict(prefill_run(model, name, settings.prefill_tokens,
+                                                      centered=settings.centered)) for name in METHODS}
         result["prefill"]["ratio"] = result["prefill"]["int2"]["ms"] / result["prefill"]["bf16"]["ms"]
     say("bits per element")
-    result["bits"] = bits_per_element(model, min(settings.bits_context, limit))
+    result["bits"] = bits_per_element(model, min(settings.bits_context, limit), settings.centered)
     per_sequence = kv_bytes_per_sequence(model, result["bits"]["context"])
     result["kv_bytes_per_token"] = {name: b / result["bits"]["context"] for name, b in per_sequence.items()}
     return result
