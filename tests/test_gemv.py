@@ -276,6 +276,31 @@ def test_shared_projections_give_each_input_its_own_outputs():
         assert group.source is None and not group.pending
 
 
+def test_shared_projections_take_a_bias_on_some_of_them():
+    """An `oscar` artifact's value mean becomes a v_proj bias on a model without biases: q, k and v still share one
+    launch (the others add zeros), and each output is its own projection's, bias included."""
+    from oscarkv.integrations.gemv import SharedInputProjections, attention_projections
+
+    linears = [torch.nn.Linear(64, n, bias=i == 2).to(DEVICE, torch.bfloat16) for i, n in enumerate((32, 16, 16))]
+    with torch.no_grad():
+        linears[2].bias.normal_()
+    module = torch.nn.Module()
+    module.q_proj, module.k_proj, module.v_proj = linears
+    assert attention_projections(module) == linears
+    group = SharedInputProjections(linears)
+    for rows in (1, 3):
+        x = torch.randn(rows, 1, 64, device=DEVICE, dtype=torch.bfloat16)
+        with torch.no_grad():
+            first = group.forward(0, x)
+            assert set(group.pending) == {1, 2}  # one launch computed all three
+            got = [first, group.forward(1, x), group.forward(2, x)]
+            want = [F.linear(x, m.weight, m.bias) for m in linears]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.float(), w.float(), rtol=2.0**-7, atol=0.02)
+        assert (got[2] - F.linear(x, linears[2].weight)).abs().max() > 0.1  # the bias is in
+        group.clear()
+
+
 def test_disabled_swaps_nothing():
     model = tiny_model("llama")
     with gemv_linears(model, enabled=False):

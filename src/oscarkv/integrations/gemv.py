@@ -8,7 +8,8 @@ ran before. On exit the model's own forwards are back.
   forwards that `compiled_small_ops` compiles (where the MLP is not one of the gated ones
   below) call it as one opaque kernel.
 - **The q, k and v projections of an attention module** (plain `nn.Linear`s of the same input
-  size, with biases on all three or none): the first of them called with a row computes all
+  size; where some have a bias and others not, as when an `oscar` artifact's value mean becomes a
+  v_proj bias on a model without one, the others add zeros): the first of them called with a row computes all
   three in one launch and keeps the other two outputs for their calls with the same input
   tensor (`SharedInputProjections`; with several rows, each output is a contiguous [M, N] block of
   one buffer, as the projection's own output would be, so a decode step's values need no copy
@@ -91,20 +92,31 @@ class SharedInputProjections:
         self.linears = linears
         self.source: torch.Tensor | None = None
         self.pending: dict[int, torch.Tensor] = {}
+        # The launch takes a bias for every product or for none: zeros stand in for the missing ones (made here,
+        # before any CUDA graph is captured).
+        self.zero_biases = {i: torch.zeros(m.out_features, dtype=m.weight.dtype, device=m.weight.device)
+                            for i, m in enumerate(linears) if m.bias is None} if any(
+            m.bias is not None for m in linears) else {}
 
     @staticmethod
     def fits(linears: list[nn.Linear]) -> bool:
-        """Plain linears of one input size, dtype and device, with biases on all or none."""
+        """Plain linears of one input size, dtype and device (biases on any of them)."""
         first = linears[0]
         return all(type(m) is nn.Linear and "forward" not in vars(m) for m in linears) and all(
             m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
-            and m.weight.device == first.weight.device and (m.bias is None) == (first.bias is None)
-            for m in linears)
+            and m.weight.device == first.weight.device for m in linears)
+
+    def biases(self) -> list[torch.Tensor | None] | None:
+        """One bias per product for the launch (zeros where a projection has none), all None, or None where a bias
+        appeared after the group was made (the projections then compute alone)."""
+        biases = [m.bias if m.bias is not None else self.zero_biases.get(i) for i, m in enumerate(self.linears)]
+        return biases if all(b is None for b in biases) or all(b is not None for b in biases) else None
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if x is self.source and index in self.pending:
             return self.pending.pop(index)
-        if not all(takes_gemv(m, x) for m in self.linears):
+        biases = self.biases()
+        if biases is None or not all(takes_gemv(m, x) for m in self.linears):
             return _forward(self.linears[index], x)
         from ..kernels.triton_gemv import launch_gemv
 
@@ -112,8 +124,7 @@ class SharedInputProjections:
         rows = input_rows(x)
         count = rows.numel() // rows.shape[-1]
         joined = x.new_empty(count * sum(sizes))  # each product contiguous after the one before (`launch_gemv`)
-        launch_gemv(rows, [m.weight for m in self.linears], [m.bias for m in self.linears], joined,
-                    overlap=overlaps_launches(x))
+        launch_gemv(rows, [m.weight for m in self.linears], biases, joined, overlap=overlaps_launches(x))
         outputs = [y.view(*x.shape[:-1], n) for y, n in zip(joined.split([count * n for n in sizes]), sizes)]
         self.source = x
         self.pending = {i: y for i, y in enumerate(outputs) if i != index}
