@@ -9,8 +9,9 @@
 the instructions of its page loop by opcode, registers and shared memory. `gpu` times one decode step
 (`ops.attend_step`, best of three CUDA-graph timings, the variants alternating) with each history kernel, against
 the torch reference; a trailing H drops the window launch (the history launch and the combine alone, a wrong
-answer), a trailing S gives the layer random key shifts (key_centering "rope", the default of a centered artifact); gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`, gluon~N caps its registers at N
-(`gluon_history.register_cap`). `ncu` runs one step
+answer), a trailing S gives the layer random key shifts (key_centering "rope", the default of a centered artifact);
+gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`, gluon~N caps its registers at
+N (`gluon_history.register_cap`). `ncu` runs one step
 with each variant, no graph, for Nsight Compute. `reads` times a kernel that stages the same history pages through
 the same slots and splits and computes nothing, beside the step: the ceiling of the kernel's memory access pattern.
 

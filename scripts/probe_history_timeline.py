@@ -1,11 +1,13 @@
 """Developer tool (GPU): when each program of the Gluon decode history launch starts and ends, and on which
 multiprocessor, for one decode step at each shape.
 
-    PYTHONPATH=src:scripts python scripts/probe_history_timeline.py 1x131072,32x32768[:SPLITS] [--save DIR] [--key-shifts]
+    PYTHONPATH=src:scripts python scripts/probe_history_timeline.py 1x131072,32x32768[:SPLITS] [--save DIR] \
+        [--key-shifts]
 
 It builds a copy of `gluon_history_kernel.history_kernel` whose programs also read the GPU's global timer and their
 multiprocessor id at their start and end (four int64 stores per program, nothing else changed), runs the shipped step
-(`ops.attend_step`, the plan `bench attention` takes, or SPLITS splits in all) with it eagerly after a warm-up, and prints:
+(`ops.attend_step`, the plan `bench attention` takes, or SPLITS splits in all) with it eagerly after a warm-up, and
+prints:
 - the launch's span (first start to last end) and, as fractions of it, when the programs start and end;
 - the programs' durations (min / median / max) and pages per program;
 - the mean number of resident programs per multiprocessor over the span (what Nsight Compute calls achieved
@@ -111,7 +113,8 @@ def run_shape(batch: int, context: int, timed, save: Path | None, forced: int | 
     def q(x, f):
         return torch.quantile(x, f).item()
 
-    print(f"{batch}x{context}{' with key shifts' if key_shifts else ''}: {splits} splits, {programs} history programs on {int((used > 0).sum())} of {sms} SMs "
+    print(f"{batch}x{context}{' with key shifts' if key_shifts else ''}: {splits} splits, {programs} history programs "
+          f"on {int((used > 0).sum())} of {sms} SMs "
           f"(per SM {used.min().item()}-{used.max().item()}), pages per program "
           f"{int(rec[:, 3].min())}-{int(rec[:, 3].max())}")
     print(f"  span {span / 1e3:.1f} us; starts at 0 / 50% / 100% of programs: {q(start, 0) / 1e3:.1f} / "

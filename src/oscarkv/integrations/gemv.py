@@ -94,9 +94,9 @@ class SharedInputProjections:
         self.pending: dict[int, torch.Tensor] = {}
         # The launch takes a bias for every product or for none: zeros stand in for the missing ones (made here,
         # before any CUDA graph is captured).
+        biased = any(m.bias is not None for m in linears)
         self.zero_biases = {i: torch.zeros(m.out_features, dtype=m.weight.dtype, device=m.weight.device)
-                            for i, m in enumerate(linears) if m.bias is None} if any(
-            m.bias is not None for m in linears) else {}
+                            for i, m in enumerate(linears) if biased and m.bias is None}
 
     @staticmethod
     def fits(linears: list[nn.Linear]) -> bool:

@@ -217,7 +217,8 @@ def history_kernel(
     The arguments are those of `triton_attention._paged_attention_kernel` (the unused ones included, so that both
     take one argument tuple); OVERLAP, KEY_SHIFTS and SHIFT_BLOCK as there (with key shifts, shift_ptr holds the
     score terms q·shift of `triton_attention.score_shift_terms`, one per query row and block, added to the page's
-    scores through the maximum that the exponent subtracts). STAGES: shared-memory slots of staged pages (`gluon_history.STAGES`, at least 2)."""
+    scores through the maximum that the exponent subtracts). STAGES: shared-memory slots of staged pages
+    (`gluon_history.STAGES`, at least 2)."""
     D: gl.constexpr = 128
     P: gl.constexpr = 64
     G: gl.constexpr = HQ // HKV
