@@ -32,23 +32,35 @@ GRAPHS = [False, True] if DEVICE == "cuda" else [False]
 PAGED_BACKEND = "auto" if DEVICE == "cuda" else "torch"
 
 
-def _model(method: str, per_head: bool = False):
+def _model(method: str, per_head: bool = False, centered: bool = False):
+    """centered: the artifact centers keys and values as a calibrated one does (random means, start positions in
+    16-token chunks), so the paged cache takes RoPE-following key shifts that change every page, and the values'
+    mean becomes a v_proj bias."""
     model = tiny_model("llama", head_dim=64, attention_scale=3.0).to(DEVICE)
     if method == "bf16":
         return oscarkv.patch(model, method="bf16", cache=CacheConfig(**PAGED))
     artifact = _random_artifact(model, per_head)
     artifact.group_size = 64
+    if centered:
+        gen = torch.Generator().manual_seed(7)
+        for layer in artifact.layers:
+            layer.k_mean = 2.0 * torch.randn(artifact.model.num_kv_heads, 64, generator=gen)
+            layer.v_mean = 0.5 * torch.randn(artifact.model.num_kv_heads, 64, generator=gen)
+        artifact.calibration = {"tokens": 0, "sources": [], "positions": "start", "chunk_tokens": PAGED["page_size"]}
     return oscarkv.patch(model, artifact, quant=oscarkv.QuantConfig(group_size=64),
                          cache=CacheConfig(kernel="paged", **PAGED))
 
 
-@pytest.mark.parametrize("graphs,per_head", [(graphs, False) for graphs in GRAPHS] + [(GRAPHS[-1], True)])
-def test_int2_static_generation_equals_transformers_generate(graphs, per_head):
+@pytest.mark.parametrize("graphs,per_head,centered", [(graphs, False, False) for graphs in GRAPHS]
+                         + [(GRAPHS[-1], True, False), (GRAPHS[-1], False, True)])
+def test_int2_static_generation_equals_transformers_generate(graphs, per_head, centered):
     """70-token prompts, 30 new tokens: ring flushes at 80 and 96 happen inside the static steps
-    (also with one key rotation per KV head)."""
-    model = _model("oscar", per_head)
+    (also with one key rotation per KV head, and with a centered artifact's key shifts and value bias)."""
+    model = _model("oscar", per_head, centered)
     ids = _ids(70, batch=2).to(DEVICE)
     state = model.oscar
+    if centered:
+        assert all(spec.k_mean_shifts is not None and spec.k_mean_shifts.shape[0] > 1 for spec in state.specs)
     cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 100, backend=PAGED_BACKEND)
     with torch.no_grad():
         reference = type(model).generate(model, ids, past_key_values=cache, max_new_tokens=30, do_sample=False)
