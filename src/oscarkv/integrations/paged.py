@@ -258,12 +258,15 @@ class PagedOscarCache(DynamicCache):
         Cache.__init__(self, layers=[PagedOscarLayer(i, spec, self) for i, spec in enumerate(specs)])
 
     def new_storage(self, num_pages: int, max_slots: int, device: torch.device) -> PagedKVCache:
-        """The page pool and windows of every layer, with the layers' key shifts (key_centering="rope")."""
+        """The page pool and windows of every layer, with the layers' key shifts (key_centering="rope"): the rows of
+        the blocks below max_context, not of every position the model takes (18 MiB for Qwen3-4B's 131072 in
+        1024-position blocks)."""
         storage = PagedKVCache(self.layouts, num_pages, max_slots, self.max_context, device,
                                self.cache_config.window_dtype)
         for layer, spec in zip(storage.layers, self.specs):
             if spec.k_mean_shifts is not None:
-                layer.key_shifts = spec.k_mean_shifts.to(device=device, dtype=torch.float32).contiguous()
+                rows = max(1, -(-self.max_context // spec.shift_block))
+                layer.key_shifts = spec.k_mean_shifts[:rows].to(device=device, dtype=torch.float32).contiguous()
                 layer.shift_block = spec.shift_block
         return storage
 
