@@ -89,6 +89,30 @@ def test_centered_runs_the_int2_cache_with_key_shifts_and_the_tables_say_so():
     assert "INT2 cache: the hadamard method, no centering" in decode_tables(saved)
 
 
+def test_bits_line_names_the_key_shift_tables_that_sequences_share():
+    """A centered cache holds one key-shift table per layer for all its sequences: `bits_per_element` counts it in
+    the allocation and reports the bits without it too; the line says both."""
+    from oscarkv.benchmarks.decode import _patch
+    from oscarkv.report import decode_tables
+
+    model = tiny_model("qwen3", head_dim=64)
+    model.config.max_position_embeddings = 8192
+    _patch(model, "int2", centered=True)
+    state = model.oscar
+    assert all(spec.k_mean_shifts.shape[0] == 8 for spec in state.specs)  # a row per 1024-position block
+    cache = PagedSlotCache(state, 1, PagedSlotCache.pages_for_budget(state, 1, 2100, None), 2100, torch.device("cpu"))
+    tables = [layer.key_shifts for layer in cache.storage.layers]
+    assert all(torch.equal(t, spec.k_mean_shifts[:3].float()) for t, spec in zip(tables, state.specs))  # the cache's
+    saved = json.loads((DATA / "bench-decode-qwen3-4b-centered-h200-s57.json").read_text())
+    assert "bits per K/V element (group 128)" in decode_tables(saved) and "without the" not in decode_tables(saved)
+    bits = saved["bits"]
+    shared = sum(t.nbytes for t in tables)
+    bits.update(shared_bytes=shared, bits_per_element_unshared=8 * (bits["allocated_bytes"] - shared) / bits["elements"])
+    line = next(line for line in decode_tables(saved).splitlines() if "bits per K/V element" in line)
+    assert line.endswith(f"; {bits['bits_per_element_unshared']:.3f} without the {shared / 2**20:.1f} MiB of key-shift "
+                         "tables that all sequences share")
+
+
 def test_output_its_reader_stops_reading_ends_quietly():
     """`oscarkv bench decode --from-json ... | head`: once the reader has gone, the command stops without a
     traceback (its JSON here is 150 KB, more than a pipe holds, so the writes do meet the closed pipe)."""

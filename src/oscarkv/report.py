@@ -142,7 +142,9 @@ def decode_tables(result: dict) -> str:
     if result.get("bits"):
         b = result["bits"]
         parts.append(f"INT2 cache of one {b['context']}-token sequence: {b['allocated_bytes'] / 2**20:.1f} MiB "
-                     f"allocated = {b['bits_per_element']:.3f} bits per K/V element (group {b['group_size']})")
+                     f"allocated = {b['bits_per_element']:.3f} bits per K/V element (group {b['group_size']})"
+                     + (f"; {b['bits_per_element_unshared']:.3f} without the {b['shared_bytes'] / 2**20:.1f} MiB of "
+                        "key-shift tables that all sequences share" if b.get("shared_bytes") else ""))
     parts += [f"skipped: {s}" for s in result.get("skipped", [])]
     return "\n".join(parts)
 

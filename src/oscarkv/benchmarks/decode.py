@@ -238,7 +238,8 @@ def prefill_run(model, name: str, tokens: int, repeats: int = 2, centered: bool 
 
 
 def bits_per_element(model, context: int, centered: bool = False) -> dict:
-    """Bits per stored K/V element of one INT2 slot holding `context` tokens, from the allocator."""
+    """Bits per stored K/V element of one INT2 slot holding `context` tokens, from the allocator; also without the
+    tables the cache holds once for all its sequences (`shared_bytes`: the key shifts of a centered artifact)."""
     release_memory()
     _patch(model, "int2", centered=centered)
     state = model.oscar
@@ -247,11 +248,15 @@ def bits_per_element(model, context: int, centered: bool = False) -> dict:
     pages = PagedSlotCache.pages_for_budget(state, 1, context, None)
     cache = PagedSlotCache(state, 1, pages, context, torch.device("cuda"))
     allocated = torch.cuda.memory_allocated() - before
+    # key_centering "rope": each layer's key-shift table, [blocks of the cache's positions, Hkv, D], one for the
+    # whole cache however many sequences it holds
+    shared = sum(layer.key_shifts.nbytes for layer in cache.storage.layers if layer.key_shifts is not None)
     elements = context * len(state.specs) * state.kv_heads * state.head_dim * 2
     del cache
     release_memory()
     return {"context": context, "allocated_bytes": allocated, "elements": elements,
-            "bits_per_element": 8 * allocated / elements, "group_size": state.quant.group_size}
+            "bits_per_element": 8 * allocated / elements, "group_size": state.quant.group_size,
+            "shared_bytes": shared, "bits_per_element_unshared": 8 * (allocated - shared) / elements}
 
 
 def release_memory() -> None:
