@@ -9,7 +9,8 @@
 the instructions of its page loop by opcode, registers and shared memory. `gpu` times one decode step
 (`ops.attend_step`, best of three CUDA-graph timings, the variants alternating) with each history kernel, against
 the torch reference; a trailing H drops the window launch (the history launch and the combine alone, a wrong
-answer), a trailing S gives the layer random key shifts (key_centering "rope", the default of a centered artifact);
+answer), a trailing S gives the layer random key shifts (key_centering "rope", the default of a centered artifact), SP
+computes their score terms once outside the timed step (what their launch costs);
 gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`, gluon~N caps its registers at
 N (`gluon_history.register_cap`). `ncu` runs one step
 with each variant, no graph, for Nsight Compute. `reads` times a kernel that stages the same history pages through
@@ -38,9 +39,10 @@ def sass_main(shifts: str = "", stages: str = "") -> None:
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common()))
 
 
-def _step(case, splits: int, history: str, windows: bool = True, layer=None):
+def _step(case, splits: int, history: str, windows: bool = True, layer=None, terms_ready: bool = False):
     """A decode step's function with the given history kernel; windows=False drops the window launch; layer: in place
-    of case.layer (`_with_key_shifts`)."""
+    of case.layer (`_with_key_shifts`); terms_ready: the key shifts' score terms computed once, outside the step (a
+    wrong answer for other queries; it shows what their launch costs)."""
     import torch
 
     from oscarkv.kernels import triton_attention
@@ -62,9 +64,15 @@ def _step(case, splits: int, history: str, windows: bool = True, layer=None):
         def __getitem__(self, grid):
             return lambda *args, **kw: None if kw.get("REGIONS") == 2 else shipped[grid](*args, **kw)
 
+    shipped_terms = triton_attention.score_shift_terms
+    ready = {}
+
     def fn():
         if not windows:
             triton_attention._paged_attention_kernel = _NoWindows()
+        if terms_ready:
+            triton_attention.score_shift_terms = lambda *args: ready["terms"] if ready else ready.setdefault(
+                "terms", shipped_terms(*args))
         gluon_history.STAGES = int(stages or default_stages)
         if cap:
             gluon_history.REGISTER_CAP = gluon_history.SHIFTS_REGISTER_CAP = int(cap)
@@ -73,6 +81,7 @@ def _step(case, splits: int, history: str, windows: bool = True, layer=None):
                         out=out, workspace=workspace, validate=False, history=history)
         finally:
             triton_attention._paged_attention_kernel = shipped
+            triton_attention.score_shift_terms = shipped_terms
             gluon_history.STAGES = default_stages
             gluon_history.REGISTER_CAP, gluon_history.SHIFTS_REGISTER_CAP = default_caps
 
@@ -111,14 +120,14 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
                                                    128 ** -0.5).float()
                 for key, layer in (("plain", case.layer), ("shifted", shifted)) if layer is not None}
         steps, errors = {}, {}
-        for name in names:  # a suffix H drops the window launch, S adds key shifts
-            flags = name[len(name.rstrip("HS")):]
-            steps[name] = _step(case, splits, name.rstrip("HS"), windows="H" not in flags,
-                                layer=shifted if "S" in flags else None)
+        for name in names:  # a suffix H drops the window launch, S adds key shifts, P computes their terms once
+            flags = name[len(name.rstrip("HSP")):]
+            steps[name] = _step(case, splits, name.rstrip("HSP"), windows="H" not in flags,
+                                layer=shifted if "S" in flags else None, terms_ready="P" in flags)
         for name, (fn, out) in steps.items():
             fn()
             torch.cuda.synchronize()
-            errors[name] = (out.float() - refs["shifted" if "S" in name[len(name.rstrip("HS")):] else "plain"]
+            errors[name] = (out.float() - refs["shifted" if "S" in name[len(name.rstrip("HSP")):] else "plain"]
                             ).abs().max().item()
         times = {name: [] for name in names}
         for _ in range(3):
@@ -239,8 +248,9 @@ def ncu_main(shape: str, variants: str = "triton,gluon") -> None:
     case = decode_case(batch, context)
     gluon = gluon_history.takes(case.layer, case.step, 32, 0, case.q.device)  # the plan of the shipped step
     splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=gluon)
-    for history in variants.split(","):
-        _step(case, splits, history)[0]()
+    for history in variants.split(","):  # a trailing S: random key shifts, as in `gpu`
+        shifted = history.endswith("S")
+        _step(case, splits, history.rstrip("S"), layer=_with_key_shifts(case.layer, context) if shifted else None)[0]()
     torch.cuda.synchronize()
 
 
