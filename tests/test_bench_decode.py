@@ -102,14 +102,16 @@ def test_bits_line_names_the_key_shift_tables_that_sequences_share():
     assert all(spec.k_mean_shifts.shape[0] == 8 for spec in state.specs)  # a row per 1024-position block
     cache = PagedSlotCache(state, 1, PagedSlotCache.pages_for_budget(state, 1, 2100, None), 2100, torch.device("cpu"))
     tables = [layer.key_shifts for layer in cache.storage.layers]
-    assert all(torch.equal(t, spec.k_mean_shifts[:3].float()) for t, spec in zip(tables, state.specs))  # the cache's
+    # the rows of the blocks below the cache's 2100 positions, not the model's 8192
+    assert all(torch.equal(t, spec.k_mean_shifts[:3].float()) for t, spec in zip(tables, state.specs))
     saved = json.loads((DATA / "bench-decode-qwen3-4b-centered-h200-s57.json").read_text())
     assert "bits per K/V element (group 128)" in decode_tables(saved) and "without the" not in decode_tables(saved)
     bits = saved["bits"]
     shared = sum(t.nbytes for t in tables)
-    bits.update(shared_bytes=shared, bits_per_element_unshared=8 * (bits["allocated_bytes"] - shared) / bits["elements"])
+    unshared = 8 * (bits["allocated_bytes"] - shared) / bits["elements"]
+    bits.update(shared_bytes=shared, bits_per_element_unshared=unshared)
     line = next(line for line in decode_tables(saved).splitlines() if "bits per K/V element" in line)
-    assert line.endswith(f"; {bits['bits_per_element_unshared']:.3f} without the {shared / 2**20:.1f} MiB of key-shift "
+    assert line.endswith(f"; {unshared:.3f} without the {shared / 2**20:.1f} MiB of key-shift "
                          "tables that all sequences share")
 
 
