@@ -1,6 +1,6 @@
 """Developer tool: the Gluon decode history kernel (`oscarkv.kernels.gluon_history`) against the Triton one.
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/probe_gluon_history.py sass [shifts] [STAGES]  # no GPU: sm_90
+    TRITON_INTERPRET=0 PYTHONPATH=src python scripts/probe_gluon_history.py sass [terms|shifts] [STAGES]  # sm_90
     PYTHONPATH=src python scripts/probe_gluon_history.py gpu 1x131072,32x32768[:SPLITS] [triton,gluon,gluon@3,gluonH]
     ncu --kernel-name regex:"history_kernel|_paged_attention" ... python scripts/probe_gluon_history.py ncu 1x131072 \
         [triton,gluon]
@@ -10,7 +10,8 @@ the instructions of its page loop by opcode, registers and shared memory. `gpu` 
 (`ops.attend_step`, best of three CUDA-graph timings, the variants alternating) with each history kernel, against
 the torch reference; a trailing H drops the window launch (the history launch and the combine alone, a wrong
 answer), a trailing S gives the layer random key shifts (key_centering "rope", the default of a centered artifact), SP
-computes their score terms once outside the timed step (what their launch costs);
+computes their score terms once outside the timed step (what their launch costs), ST in their own launch where the
+history programs would compute them (`gluon_history.terms_in_programs`);
 gluon@N stages pages through N shared-memory slots instead of `gluon_history.STAGES`, gluon~N caps its registers at
 N (`gluon_history.register_cap`). `ncu` runs one step
 with each variant, no graph, for Nsight Compute. `reads` times a kernel that stages the same history pages through
@@ -29,7 +30,8 @@ def sass_main(shifts: str = "", stages: str = "") -> None:
     from oscarkv.kernels.compile_check import compile_kernel, gluon_history_job
     from oscarkv.kernels.gluon_history import STAGES
 
-    fn, types, constexprs, options = gluon_history_job(90, shifts == "shifts")  # as shipped, at the Qwen3 shapes
+    key_shifts = {"": 0, "terms": 1, "shifts": 2}[shifts]  # KEY_SHIFTS: none, the terms launch's, each program's
+    fn, types, constexprs, options = gluon_history_job(90, key_shifts)  # as shipped, at the Qwen3 shapes
     kernel = compile_kernel(fn, types, dict(constexprs, STAGES=int(stages or STAGES)), 90, **options)
     sass, usage = disassemble(kernel.asm["cubin"])
     print(f"Triton {triton.__version__}: " + usage.strip().splitlines()[-1].strip())
@@ -39,10 +41,12 @@ def sass_main(shifts: str = "", stages: str = "") -> None:
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common()))
 
 
-def _step(case, splits: int, history: str, windows: bool = True, layer=None, terms_ready: bool = False):
+def _step(case, splits: int, history: str, windows: bool = True, layer=None, terms_ready: bool = False,
+          terms_launch: bool = False):
     """A decode step's function with the given history kernel; windows=False drops the window launch; layer: in place
     of case.layer (`_with_key_shifts`); terms_ready: the key shifts' score terms computed once, outside the step (a
-    wrong answer for other queries; it shows what their launch costs)."""
+    wrong answer for other queries; it shows what their launch costs); terms_launch: the terms from their own launch
+    even where the history programs could compute them (`gluon_history.terms_in_programs`)."""
     import torch
 
     from oscarkv.kernels import triton_attention
@@ -58,6 +62,7 @@ def _step(case, splits: int, history: str, windows: bool = True, layer=None, ter
                  torch.empty(batch, 32, splits, dtype=torch.float32, device=case.q.device))
     shipped = triton_attention._paged_attention_kernel
     default_stages = gluon_history.STAGES
+    default_term_rows = gluon_history.TERM_ROWS
     default_caps = gluon_history.REGISTER_CAP, gluon_history.SHIFTS_REGISTER_CAP
 
     class _NoWindows:
@@ -77,6 +82,8 @@ def _step(case, splits: int, history: str, windows: bool = True, layer=None, ter
             triton_attention._paged_attention_kernel = _NoWindows()
         if terms_ready:
             triton_attention.score_shift_terms = terms_once
+        if terms_launch:
+            gluon_history.TERM_ROWS = 0
         gluon_history.STAGES = int(stages or default_stages)
         if cap:
             gluon_history.REGISTER_CAP = gluon_history.SHIFTS_REGISTER_CAP = int(cap)
@@ -87,6 +94,7 @@ def _step(case, splits: int, history: str, windows: bool = True, layer=None, ter
             triton_attention._paged_attention_kernel = shipped
             triton_attention.score_shift_terms = shipped_terms
             gluon_history.STAGES = default_stages
+            gluon_history.TERM_ROWS = default_term_rows
             gluon_history.REGISTER_CAP, gluon_history.SHIFTS_REGISTER_CAP = default_caps
 
     return fn, out
@@ -124,14 +132,15 @@ def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:
                                                    128 ** -0.5).float()
                 for key, layer in (("plain", case.layer), ("shifted", shifted)) if layer is not None}
         steps, errors = {}, {}
-        for name in names:  # a suffix H drops the window launch, S adds key shifts, P computes their terms once
-            flags = name[len(name.rstrip("HSP")):]
-            steps[name] = _step(case, splits, name.rstrip("HSP"), windows="H" not in flags,
-                                layer=shifted if "S" in flags else None, terms_ready="P" in flags)
+        for name in names:  # suffixes: H drops the window launch, S adds key shifts, P computes their terms once,
+            flags = name[len(name.rstrip("HSPT")):]  # T computes them in their own launch
+            steps[name] = _step(case, splits, name.rstrip("HSPT"), windows="H" not in flags,
+                                layer=shifted if "S" in flags else None, terms_ready="P" in flags,
+                                terms_launch="T" in flags)
         for name, (fn, out) in steps.items():
             fn()
             torch.cuda.synchronize()
-            errors[name] = (out.float() - refs["shifted" if "S" in name[len(name.rstrip("HSP")):] else "plain"]
+            errors[name] = (out.float() - refs["shifted" if "S" in name[len(name.rstrip("HSPT")):] else "plain"]
                             ).abs().max().item()
         times = {name: [] for name in names}
         for _ in range(3):

@@ -508,6 +508,26 @@ def test_gluon_history_scope(monkeypatch):
         kernel_run.step([1], q, k, v, num_splits=3, history="fast")
 
 
+def test_gluon_history_terms_in_programs_where_splits_span_few_blocks():
+    """With key shifts, the Gluon programs compute their blocks' score terms (KEY_SHIFTS 2) where every split of the
+    longest history the block table holds spans at most TERM_ROWS blocks; else the terms take their own launch. The
+    cases of `test_gluon_decode_history_matches_reference` take both (1024-token slots: an 11-page block table; shift
+    blocks of 40 positions over 2 splits, one of them the window's, take the launch)."""
+    from oscarkv.kernels import gluon_history
+
+    layout = PagedLayout(kv_heads=2, head_dim=128, group_size=128, **DEFAULT_PAGES)
+    plain = PagedRun(layout, 2, 1024, 8, "torch")
+    step = plain.cache.step(plain.slots, [1, 1])
+    assert step.block_table.shape[1] == 11 and gluon_history.TERM_ROWS == 8
+    assert not gluon_history.terms_in_programs(plain.layer, step, 6)  # no key shifts
+    for shift_block, page_splits, in_programs in [(40, 1, False), (40, 3, True), (16, 3, False), (16, 6, True),
+                                                  (128, 1, True), (1024, 1, True)]:
+        run = PagedRun(layout, 2, 1024, 8, "torch", shift_block=shift_block)
+        # a split of ceil(11 / page_splits) pages spans (pages - 1)·64 // shift_block + 2 blocks, at most the table's
+        assert gluon_history.terms_in_programs(run.layer, run.cache.step(run.slots, [1, 1]), page_splits) \
+            == in_programs, (shift_block, page_splits)
+
+
 def test_gluon_history_needs_a_recent_triton(monkeypatch):
     """Gluon's API moves between Triton releases: below MIN_TRITON the Triton kernel serves every step."""
     import triton
@@ -1039,14 +1059,15 @@ def test_kernels_compile_for_the_h100():
     assert done.returncode == 0, done.stdout + done.stderr
     from oscarkv.kernels import gluon_history
 
-    configurations = 47 + 2 * gluon_history.available()  # the Gluon decode history kernel, with and without key shifts
+    configurations = 47 + 3 * gluon_history.available()  # the Gluon decode history kernel, each key-shift mode
     assert f"{configurations} kernel configurations compiled for sm_90" in done.stdout
 
 
-@pytest.mark.parametrize("key_shifts", [False, True])
+@pytest.mark.parametrize("key_shifts", [0, 1, 2])
 def test_gluon_history_fits_sixteen_programs_a_multiprocessor(key_shifts):
     """With the Triton of the GPU machine (3.6) the Gluon history kernel takes at most 128 registers a thread, with and
-    without key shifts (key_centering "rope", the default of a centered artifact), so that the 16 one-warp programs
+    without key shifts (key_centering "rope", the default of a centered artifact; their score terms from their own
+    launch, 1, or computed by each program, 2), so that the 16 one-warp programs
     a multiprocessor of its split plan (`gluon_history.PROGRAMS_PER_MULTIPROCESSOR`) fit: a variant at 129 took one
     32x8K layer from 70 to 97.5 µs on the H200 (fifty-fifth session), and the key-shift kernel at 132-136 from 66.5
     to 98.3 µs (fifty-sixth). Other Triton versions allocate differently (3.9: 136 without shifts) and were not

@@ -110,22 +110,20 @@ def cubin_registers(kernel) -> int:
     return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-def gluon_history_job(arch: int, key_shifts: bool, query_heads: int = 32, kv_heads: int = 8, sink: int = 64,
+def gluon_history_job(arch: int, key_shifts: int, query_heads: int = 32, kv_heads: int = 8, sink: int = 64,
                        recent: int = 256) -> tuple:
     """(kernel, types, constexprs, options) of the Gluon decode history kernel (D = 128, group 128, INT2) as
-    `gluon_history.launch` launches it, with its register cap."""
+    `gluon_history.launch` launches it, with its register cap; key_shifts: its KEY_SHIFTS (0, 1 or 2)."""
     from . import gluon_history
     from .gluon_history_kernel import history_kernel
-    from .hardware import register_cap_supported
 
-    cap = dict(maxnreg=gluon_history.register_cap(key_shifts)) if register_cap_supported() else {}
-    return (history_kernel, ATTENTION_TYPES,
-            dict(HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=17, WS=4, OVERLAP=int(arch >= 90),
-                 KEY_SHIFTS=key_shifts, SHIFT_BLOCK=1024, STAGES=gluon_history.STAGES),
-            dict(num_warps=1, aligned=True, **cap))  # its page copies need 16-byte alignment
+    constexprs, options = gluon_history.launch_settings(query_heads, kv_heads, sink, recent, num_splits=17,
+                                                        window_splits=4, overlap=int(arch >= 90),
+                                                        key_shifts=key_shifts, shift_block=1024)
+    return history_kernel, ATTENTION_TYPES, constexprs, dict(options, aligned=True)  # its copies need 16-byte alignment
 
 
-def gluon_history_kernel(arch: int = 90, key_shifts: bool = False):
+def gluon_history_kernel(arch: int = 90, key_shifts: int = 0):
     """The Gluon decode history kernel compiled for sm_`arch` at the Qwen3 shapes (32 query / 8 KV heads)."""
     fn, types, constexprs, options = gluon_history_job(arch, key_shifts)
     return compile_kernel(fn, types, constexprs, arch, **options)
@@ -247,8 +245,8 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                               PREFETCH_PAGES=2),
                          dict(num_warps=warps, **unfused)))
         if gluon_history.available() and (d, group, key_bits, value_bits, page) == (128, 128, 2, 2, 64):
-            for shifted in (False, True):  # decode history in Gluon (`gluon_history.takes`)
-                jobs.append(gluon_history_job(arch, shifted, hq, hkv, sink, recent))
+            for key_shifts in (0, 1, 2):  # decode history in Gluon (`gluon_history.takes`), each key-shift mode
+                jobs.append(gluon_history_job(arch, key_shifts, hq, hkv, sink, recent))
         for fn, types, constexprs, options in jobs:
             seconds = _compile(fn, types, constexprs, arch, **options)
             count += 1

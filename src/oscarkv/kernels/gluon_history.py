@@ -74,6 +74,9 @@ REGISTER_CAP = 168
 # 128 it does not spill (749 instructions a page against 743).
 SHIFTS_REGISTER_CAP = 128
 STAGES = 2  # shared-memory slots of staged pages: STAGES - 1 pages in flight while one is read (see above)
+# Key shifts: a program computes the score terms of at most TERM_ROWS blocks of its split into shared memory
+# (`terms_in_programs`; 32 bytes a block), else they take a launch of their own before the history launch.
+TERM_ROWS = 8
 # The split plan of Gluon steps (`ops._gluon_history_splits`): 128 registers and 9.2 KB of shared memory a program, so
 # 16 one-warp programs fill a multiprocessor's registers (the Triton kernel's 9); splits of at least MIN_SPLIT_PAGES.
 PROGRAMS_PER_MULTIPROCESSOR = 16
@@ -114,20 +117,40 @@ def takes_steps(layer, max_new: int, query_heads: int, window: int, device: torc
             and torch.cuda.get_device_capability(device.index or 0) >= (8, 0) and available())
 
 
-def register_cap(key_shifts: bool) -> int:
-    """The launch's register cap (maxnreg): SHIFTS_REGISTER_CAP with key shifts, else REGISTER_CAP."""
+def register_cap(key_shifts: int) -> int:
+    """The launch's register cap (maxnreg): SHIFTS_REGISTER_CAP with key shifts (KEY_SHIFTS 1 or 2), else
+    REGISTER_CAP."""
     return SHIFTS_REGISTER_CAP if key_shifts else REGISTER_CAP
 
 
-def launch(grid: tuple[int, int], args: tuple, query_heads: int, kv_heads: int, sink: int, recent: int,
-           num_splits: int, window_splits: int, overlap: int, shift_block: int, options: dict) -> None:
-    """The history splits window_splits..num_splits-1 of a decode step; args: `launch_attention`'s argument tuple
-    (the kernel's signature begins with the Triton kernel's); overlap: its OVERLAP (0, 1 or 2); shift_block: the
-    layer's key-shift block (0: no key shifts)."""
-    from .gluon_history_kernel import history_kernel
+def terms_in_programs(layer, batch, page_splits: int) -> bool:
+    """Whether each history program can compute the key shifts' score terms of its own blocks (the kernel's
+    KEY_SHIFTS 2, no launch of their own): every split of the longest history the block table holds spans at most
+    TERM_ROWS blocks of key shifts. False without key shifts."""
+    if layer.key_shifts is None:
+        return False
+    share = -(-batch.block_table.shape[1] // max(page_splits, 1))  # pages of a split, at most
+    spanned = (max(share, 1) - 1) * layer.layout.page_size // max(layer.shift_block, 1) + 2
+    return min(spanned, layer.key_shifts.shape[0]) <= TERM_ROWS
+
+
+def launch_settings(query_heads: int, kv_heads: int, sink: int, recent: int, num_splits: int, window_splits: int,
+                    overlap: int, key_shifts: int, shift_block: int) -> tuple[dict, dict]:
+    """(constexprs, options) of the history kernel's launch, register cap included: what `launch` launches and
+    `compile_check` compiles. overlap: its OVERLAP (0, 1 or 2); key_shifts: its KEY_SHIFTS (0 none, 1 the score terms
+    in the arguments, 2 the layer's key shifts in them, `terms_in_programs`); shift_block: the layer's key-shift block."""
     from .hardware import register_cap_supported
 
-    cap = dict(maxnreg=register_cap(shift_block > 0)) if register_cap_supported() else {}
-    history_kernel[grid](*args, HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=num_splits,
-                         WS=window_splits, OVERLAP=overlap, KEY_SHIFTS=shift_block > 0,
-                         SHIFT_BLOCK=max(shift_block, 1), STAGES=STAGES, num_warps=1, **cap, **options)
+    cap = dict(maxnreg=register_cap(key_shifts)) if register_cap_supported() else {}
+    return (dict(HQ=query_heads, HKV=kv_heads, S=sink, R=recent, NUM_SPLITS=num_splits, WS=window_splits,
+                 OVERLAP=overlap, KEY_SHIFTS=key_shifts, SHIFT_BLOCK=shift_block, STAGES=STAGES, TERM_ROWS=TERM_ROWS),
+            dict(num_warps=1, **cap))
+
+
+def launch(grid: tuple[int, int], args: tuple, settings: tuple[dict, dict], options: dict) -> None:
+    """The history splits WS..NUM_SPLITS-1 of a decode step; args: `launch_attention`'s argument tuple (the kernel's
+    signature begins with the Triton kernel's); settings: `launch_settings`; options: further launch options."""
+    from .gluon_history_kernel import history_kernel
+
+    constexprs, own = settings
+    history_kernel[grid](*args, **constexprs, **own, **options)

@@ -42,6 +42,8 @@ KEY_SMEM: gl.constexpr = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
     [0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0], [1, 0], [2, 0], [4, 0], [32, 0]]))
 VALUE_SMEM: gl.constexpr = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
     [0, 1], [0, 2], [0, 4], [0, 8], [16, 0], [32, 0], [1, 0], [2, 0], [4, 0], [8, 0]]))
+# Key shifts computed by each program (KEY_SHIFTS 2): the query rows [8 heads, D] spread over the lanes by channel.
+QUERY_ROWS: gl.constexpr = gl.constexpr(gl.BlockedLayout([8, 4], [1, 32], [1, 1], [1, 0]))
 KEY_COPY: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [32, 0]], lane_bases=[[0, 8], [8, 0], [16, 0], [2, 0], [4, 0]],
     warp_bases=[], block_bases=[], shape=[64, 16]))
@@ -195,6 +197,24 @@ def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, 
 
 
 @gluon.jit
+def _program_terms(q_ptr, q_row0, heads_ok, shift_ptr, first_block, last_block, h, qk_scale, HKV: gl.constexpr,
+                   D: gl.constexpr, TERM_ROWS: gl.constexpr):
+    """The score terms qk_scale · q·shift of blocks first_block..last_block (at most TERM_ROWS) for the program's
+    query rows (q_row0 + head; `triton_attention._score_shift_kernel`'s arithmetic), in shared memory [TERM_ROWS, 8],
+    row b - first_block; shift_ptr: the layer's key shifts [blocks, HKV, D] float32."""
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(1, QUERY_ROWS))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, QUERY_ROWS))
+    ok = gl.convert_layout(heads_ok, gl.SliceLayout(1, QUERY_ROWS))
+    q = gl.load(q_ptr + (q_row0 + heads)[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(gl.float32)
+    rows = gl.allocate_shared_memory(gl.float32, [TERM_ROWS, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    for block in range(first_block, last_block + 1):
+        shift = gl.load(shift_ptr + (block.to(gl.int64) * HKV + h) * D + cols)
+        rows.index(block - first_block).store(gl.sum(q * shift[None, :], 1) * qk_scale)
+    _warp_barrier()
+    return rows
+
+
+@gluon.jit
 def _staged_page(slots, at):
     """Slot `at` of `slots` in registers, in the load layouts: key words, value words, key scales, key zeros, value
     scales (ROW_LOAD), value zeros (VALUE_ROW_LOAD)."""
@@ -211,14 +231,16 @@ def history_kernel(
         sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
         qk_scale, window, shift_ptr, num_blocks, k_kappa, k_unit, v_kappa, v_unit,
         HQ: gl.constexpr, HKV: gl.constexpr, S: gl.constexpr, R: gl.constexpr, NUM_SPLITS: gl.constexpr,
-        WS: gl.constexpr, OVERLAP: gl.constexpr = 0, KEY_SHIFTS: gl.constexpr = False,
-        SHIFT_BLOCK: gl.constexpr = 1, STAGES: gl.constexpr = 2):
+        WS: gl.constexpr, OVERLAP: gl.constexpr = 0, KEY_SHIFTS: gl.constexpr = 0,
+        SHIFT_BLOCK: gl.constexpr = 1, STAGES: gl.constexpr = 2, TERM_ROWS: gl.constexpr = 8):
     """History splits WS..NUM_SPLITS-1 of a decode step; grid (sequences x KV heads, NUM_SPLITS - WS), one warp.
     The arguments are those of `triton_attention._paged_attention_kernel` (the unused ones included, so that both
-    take one argument tuple); OVERLAP, KEY_SHIFTS and SHIFT_BLOCK as there (with key shifts, shift_ptr holds the
-    score terms q·shift of `triton_attention.score_shift_terms`, one per query row and block, added to the page's
-    scores through the maximum that the exponent subtracts). STAGES: shared-memory slots of staged pages
-    (`gluon_history.STAGES`, at least 2)."""
+    take one argument tuple); OVERLAP and SHIFT_BLOCK as there. KEY_SHIFTS (key_centering "rope"): 0 none; 1
+    shift_ptr holds the score terms q·shift of `triton_attention.score_shift_terms`, one per query row and block;
+    2 shift_ptr holds the layer's key shifts, and each program computes the terms of its own blocks before its
+    loop (`_program_terms`; a split must span at most TERM_ROWS blocks, `gluon_history.terms_in_programs`). The
+    page's term is added to its scores through the maximum that the exponent subtracts. STAGES: shared-memory slots
+    of staged pages (`gluon_history.STAGES`, at least 2)."""
     D: gl.constexpr = 128
     P: gl.constexpr = 64
     G: gl.constexpr = HQ // HKV
@@ -264,7 +286,7 @@ def history_kernel(
     row_ok = (n < G) & (count > 0)
     q_row = start.to(gl.int64) * HQ + h * G + n
 
-    if KEY_SHIFTS:  # the score terms of the heads' rows: [rows, blocks] (`triton_attention.score_shift_terms`)
+    if KEY_SHIFTS == 1:  # the score terms of the heads' rows: [rows, blocks] (`triton_attention.score_shift_terms`)
         shift_row0 = (start.to(gl.int64) * HQ + h * G) * num_blocks
         shift_column = n * num_blocks
     kc16 = kc_ptr.to(gl.pointer_type(gl.int16))
@@ -292,6 +314,11 @@ def history_kernel(
                          vs_ptr, vz_ptr, slots, j, lo + j < hi, HKV, P)
         oks = oks | (ok.to(gl.int32) << j)
     ahead = gl.load(bt_row + gl.minimum(lo + STAGES - 1, last))
+    if KEY_SHIFTS == 2:  # the terms of the split's blocks (row b - first_block), while the first pages are copied
+        first_block = gl.minimum((S + lo * P) // SHIFT_BLOCK, num_blocks - 1)
+        term_rows = _program_terms(q_ptr, start.to(gl.int64) * HQ + h * G, row_ok, shift_ptr, first_block,
+                                   gl.minimum((S + (hi - 1) * P) // SHIFT_BLOCK, num_blocks - 1), h, qk_scale, HKV,
+                                   D, TERM_ROWS)
     for index in range(lo, hi):
         i = index - lo
         async_copy.wait_group(STAGES - 2)  # this thread's copies of page index have landed
@@ -320,13 +347,16 @@ def history_kernel(
         d = mma_v2(_slice_units(ka, kh, 7), qs7, d)
         scores = k_scale[:, None] * (d - k_zero[:, None] * q_sum[None, :]) + gl.where(page_ok, 0.0, float("-inf"))
         m_page = gl.max(scores, 0) * units
-        if KEY_SHIFTS:  # `triton_attention._score_shift`: the term of the page's block (base-2 score units)
+        if KEY_SHIFTS != 0:  # `triton_attention._score_shift`: the term of the page's block (base-2 score units)
             block = gl.minimum((S + index * P) // SHIFT_BLOCK, num_blocks - 1)
-            shift = gl.load(shift_ptr + shift_row0 + shift_column + block, mask=row_ok, other=0.0)
+            if KEY_SHIFTS == 1:
+                shift = gl.load(shift_ptr + shift_row0 + shift_column + block, mask=row_ok, other=0.0)
+            else:
+                shift = term_rows.index(block - first_block).load(HEADS)
             m_page = m_page + shift
         m_new = gl.maximum(m_run, m_page)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        if KEY_SHIFTS:  # exp2(scores·units + shift - m): the term joins the max subtracted, no work per element
+        if KEY_SHIFTS != 0:  # exp2(scores·units + shift - m): the term joins the max subtracted, no work per element
             p = gl.exp2(scores * units - (m_safe - shift)[None, :])
         else:
             p = gl.exp2(scores * units - m_safe[None, :])

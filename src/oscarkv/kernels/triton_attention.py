@@ -1021,14 +1021,23 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
     bt = batch.block_table
     m_blocks = triton.cdiv(batch.max_new * group, block_m)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)
+    split_launches = num_splits > 1 and separate_windows
+    gluon = split_launches and history != "triton" and gluon_history.takes(layer, batch, hq, window, q.device)
+    if history == "gluon" and split_launches and not gluon:
+        raise OscarError("history='gluon': this step, layout or Triton is outside the Gluon history kernel's "
+                         "scope (see oscarkv.kernels.gluon_history); use history='auto'.")
+    # key shifts: the Gluon programs compute their blocks' score terms where their splits span few enough blocks
+    terms_in_programs = gluon and gluon_history.terms_in_programs(layer, batch, num_splits - windows)
+    if layer.key_shifts is None:
+        shifts = (q, 1)
+    else:
+        shifts = (layer.key_shifts if terms_in_programs else score_shift_terms(layer, q, scale),
+                  layer.key_shifts.shape[0])
     args = (q, k_new, v_new, out, part_o, part_lse,
             batch.slots, batch.cu_new, batch.lengths, bt, bt.stride(0), layer.num_pages,
             layer.k_codes, layer.k_scale, layer.k_zero, layer.v_codes, layer.v_scale, layer.v_zero,
             layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v,
-            scale * LOG2E, window,
-            *((score_shift_terms(layer, q, scale), layer.key_shifts.shape[0]) if layer.key_shifts is not None
-              else (q, 1)),
-            *lloyd_factors(lay.key_inner), *lloyd_factors(lay.value_inner))
+            scale * LOG2E, window, *shifts, *lloyd_factors(lay.key_inner), *lloyd_factors(lay.value_inner))
     cuda = q.device.type == "cuda"
     shape = dict(HQ=hq, HKV=lay.kv_heads, D=d, NG=lay.groups, K_BITS=lay.key_bits, V_BITS=lay.value_bits,
                  P=lay.page_size, S=lay.sink_tokens,
@@ -1038,22 +1047,19 @@ def launch_attention(layer, batch, q, k_new, v_new, out, scale: float, window: i
                  KEY_SHIFTS=layer.key_shifts is not None, SHIFT_BLOCK=max(layer.shift_block, 1),
                  K_LLOYD=lay.key_inner is not None, V_LLOYD=lay.value_inner is not None,
                  PART_PAGE=batch.max_new > lay.recent_tokens)
-    overlap = num_splits > 1 and separate_windows and cuda and (
+    overlap = split_launches and cuda and (
         overlap if overlap is not None else programmatic_launch_supported(q.device.index or 0))
-    if num_splits > 1 and separate_windows:
+    if split_launches:
         ws = shape["WINDOW_SPLITS"]
         registers = dict(maxnreg=maxnreg) if maxnreg is not None and cuda and register_cap_supported() else {}
         grouped = row_groups if batch.max_new == 1 and row_groups * group <= block_m else 1
-        gluon = history != "triton" and gluon_history.takes(layer, batch, hq, window, q.device)
-        if history == "gluon" and not gluon:
-            raise OscarError("history='gluon': this step, layout or Triton is outside the Gluon history kernel's "
-                             "scope (see oscarkv.kernels.gluon_history); use history='auto'.")
 
         def launch_history(mode: int, launch_options: dict) -> None:
             if gluon:
-                gluon_history.launch((b * lay.kv_heads, num_splits - ws), args, hq, lay.kv_heads, lay.sink_tokens,
-                                     lay.recent_tokens, num_splits, ws, mode,
-                                     layer.shift_block if layer.key_shifts is not None else 0, launch_options)
+                key_shifts = 0 if layer.key_shifts is None else 2 if terms_in_programs else 1
+                settings = gluon_history.launch_settings(hq, lay.kv_heads, lay.sink_tokens, lay.recent_tokens,
+                                                         num_splits, ws, mode, key_shifts, max(layer.shift_block, 1))
+                gluon_history.launch((b * lay.kv_heads, num_splits - ws), args, settings, launch_options)
             else:
                 _paged_attention_kernel[(b * lay.kv_heads, m_blocks, num_splits - ws)](
                     *args, **shape, REGIONS=1, num_warps=num_warps, num_stages=num_stages, ROW_GROUPS=grouped,
