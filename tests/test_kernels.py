@@ -955,12 +955,20 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
         return (real_copy(nbytes, device, timer), 4.0)[1]
 
     monkeypatch.setattr(attention, "same_bytes_copy_us", recorded_copy)
+    monkeypatch.setattr(attention, "SHIFT_BLOCK", 128)  # key shifts that change within these 700 positions
+    case = attention.decode_case(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, device=DEVICE)
+    shifted = attention.with_key_shifts(case.layer, 700)
+    assert shifted.key_shifts.shape == (6, 1, 64) and shifted.key_shifts[0].abs().max() == 0
+    plain, moved = (attention.reference.attention_reference(layer, case.step, case.q, case.k_new, case.v_new, 0.125)
+                    for layer in (case.layer, shifted))
+    assert (plain - moved).abs().max() > 2 * OUTPUT_TOLERANCE  # the shifts change what the step reads
     result = bench_decode(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, copy_gbs=1.0, device=DEVICE,
-                          timer=lambda fn: (fn(), 1.0)[1], inner=0.38)
+                          timer=lambda fn: (fn(), 1.0)[1], inner=0.38, key_shifts=True)
     assert copies == [result.int2_bytes]  # the copy moves the bytes the kernel reads
     assert result.same_bytes_copy_us == 4.0 and result.int2_fraction_of_same_bytes_copy == 4.0
     assert result.max_abs_error <= OUTPUT_TOLERANCE
     assert result.lloyd_us == 1.0 and result.lloyd_max_abs_error <= OUTPUT_TOLERANCE
+    assert result.shifts_us == 1.0 and result.shifts_max_abs_error <= OUTPUT_TOLERANCE  # with key shifts
     assert result.sdpa_gap <= 2e-2  # BF16 SDPA output vs the kernel's, same contents
     # SDPA with its own backend choice is timed too (here the flash backend is unavailable: the same figure)
     assert result.sdpa_any_backend_us == 1.0 and result.speedup_over_fastest_sdpa == 1.0

@@ -409,7 +409,7 @@ def cmd_bench_attention(args) -> int:
 
     shapes = _parse_shapes(args.shapes)
     layer = attention.layer_shape(args.model) if args.model else attention.QWEN3_LAYER
-    results = attention.run(shapes, args.write_tokens, args.lloyd_inner, layer)
+    results = attention.run(shapes, args.write_tokens, args.lloyd_inner, layer, args.key_shifts)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
@@ -418,10 +418,13 @@ def cmd_bench_attention(args) -> int:
     lloyd = args.lloyd_inner is not None
     print(f"{'batch':>5} {'context':>8} {'SDPA us':>9} {'INT2 us':>9} {'speedup':>8} {'SDPA* us':>9} {'speedup*':>8} "
           f"{'INT2 GB/s':>10} {'% copy BW':>9} {'copy us':>8} {'% copy':>7} {'max err':>8} {'history':>7}"
-          + (f" {'Lloyd us':>9} {'cost':>6} {'max err':>8}" if lloyd else ""))
+          + (f" {'Lloyd us':>9} {'cost':>6} {'max err':>8}" if lloyd else "")
+          + (f" {'shifts us':>9} {'cost':>6} {'max err':>8}" if args.key_shifts else ""))
     for r in results["decode"]:
         extra = (f" {r['lloyd_us']:>9.1f} {r['lloyd_us'] / r['int2_us']:>5.2f}x {r['lloyd_max_abs_error']:>8.1e}"
                  if lloyd else "")
+        extra += (f" {r['shifts_us']:>9.1f} {r['shifts_us'] / r['int2_us']:>5.2f}x {r['shifts_max_abs_error']:>8.1e}"
+                  if args.key_shifts else "")
         print(f"{r['batch']:>5} {r['context']:>8} {r['sdpa_us']:>9.1f} {r['int2_us']:>9.1f} {r['speedup']:>7.2f}x "
               f"{r['sdpa_any_backend_us']:>9.1f} {r['speedup_over_fastest_sdpa']:>7.2f}x "
               f"{r['int2_bandwidth_gbs']:>10.0f} {100 * r['int2_bandwidth_fraction']:>8.1f}% "
@@ -431,7 +434,8 @@ def cmd_bench_attention(args) -> int:
     print(f"write path: {w['tokens']} tokens in {w['microseconds']:.0f} us = {w['tokens_per_s'] / 1e6:.1f} M tokens/s, "
           f"{w['bandwidth_gbs']:.0f} GB/s ({100 * w['bandwidth_fraction']:.0f}% of copy bandwidth; CUDA graph), "
           f"{w['eager_microseconds']:.0f} us launched eagerly from Python"
-          + (f"; with Lloyd-Max levels {w['lloyd_microseconds']:.0f} us" if lloyd else ""))
+          + (f"; with Lloyd-Max levels {w['lloyd_microseconds']:.0f} us" if lloyd else "")
+          + (f"; with key shifts {w['shifts_microseconds']:.0f} us" if args.key_shifts else ""))
     print("SDPA us: torch SDPA, flash backend, over the same contents (the issue's baseline); SDPA* us: SDPA with its "
           "own backend choice; speedup*: against the faster of the two")
     print("% copy BW: INT2 GB/s against the 2 GiB copy; copy us: a copy moving the bytes the kernel reads (half "
@@ -440,6 +444,9 @@ def cmd_bench_attention(args) -> int:
     if lloyd:
         print(f"Lloyd us: the same steps on the same codes read at Lloyd-Max levels (inner {args.lloyd_inner}); "
               "cost = Lloyd us / INT2 us")
+    if args.key_shifts:
+        print("shifts us: the same steps with the key shifts of a calibrated, centered artifact (key_centering 'rope': "
+              "history keys stored minus their block's RoPE-turned mean, read plus it); cost = shifts us / INT2 us")
     return 0
 
 
@@ -713,6 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--write-tokens", type=int, default=32768, help="prompt length for the write-path throughput")
     b.add_argument("--lloyd-inner", type=float, default=None, metavar="A",
                    help="also time every step with Lloyd-Max INT2 levels at inner level A (e.g. 0.38), same codes")
+    b.add_argument("--key-shifts", action="store_true",
+                   help="also time every step and the write path with the key shifts that a calibrated, centered "
+                        "artifact runs by default (key_centering 'rope'), same contents")
     b.add_argument("--json", action="store_true", help="print the results as JSON")
     b.set_defaults(func=cmd_bench_attention)
     b = bench_sub.add_parser("serve", help="load and fault test of a running OpenAI-compatible server (any device)")

@@ -12,6 +12,11 @@ divided by the time, against the measured device-to-device copy bandwidth.
 With `inner` (`--lloyd-inner A`), each row also times the same kernels on the same codes read
 at Lloyd–Max levels with inner level A for keys and values (`quant.format`; one more masked dot
 per code tile), in the same run, so the cost of the levels is a ratio of two measured times.
+
+With `key_shifts` (`--key-shifts`), each row and the write path are also timed with the key shifts of
+`CacheConfig(key_centering="rope")`, the default of every calibrated, centered `oscar` artifact
+(`oscarkv.rope`; blocks of 1024 positions, a random key mean turned by Qwen3's RoPE frequencies), on the
+same contents: history keys are stored minus their block's shift and read plus it.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from . import require_cuda
 from ..kernels import reference
 from ..kernels import gluon_history
 from ..kernels.ops import RotationPieces, attend_step, choose_splits, rotation_pieces, write_step
+from .. import rope
 
 DEFAULT_SHAPES = ((1, 8192), (1, 32768), (1, 65536), (1, 131072), (32, 8192), (32, 32768))
+SHIFT_BLOCK = 1024  # positions a key shift covers: the calibration chunk of a centered artifact
+ROPE_THETA = 1e6  # Qwen3's RoPE base, for the key shifts' frequencies
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,8 @@ class AttentionResult:
     sdpa_any_backend_us: float | None = None
     speedup_over_fastest_sdpa: float | None = None
     history_kernel: str | None = None  # the decode history launch's kernel: "gluon" (`gluon_history`) or "triton"
+    shifts_us: float | None = None  # the same step with key shifts (`key_shifts`), same contents
+    shifts_max_abs_error: float | None = None  # that step vs the torch reference with the same shifts
 
 
 @dataclass
@@ -104,6 +114,18 @@ class WriteResult:
     # The same write launched from Python at every call (no CUDA graph), as an eager prefill runs it: where the
     # host's launches take longer than the GPU's work, this is the host's time.
     eager_microseconds: float | None = None
+    shifts_microseconds: float | None = None  # the same write with key shifts (`key_shifts`)
+
+
+def with_key_shifts(layer: PagedLayer, context: int, seed: int = 0) -> PagedLayer:
+    """The layer with the key shifts of key_centering "rope" (`PagedLayer.key_shifts`) for contexts up to `context`:
+    (R(o) - 1)·μ for a random key mean μ of norm ~4 per head and Qwen3's RoPE frequencies, blocks of SHIFT_BLOCK."""
+    lay = layer.layout
+    gen = torch.Generator().manual_seed(seed + 7)
+    mean = 0.35 * torch.randn(lay.kv_heads, lay.head_dim, generator=gen, dtype=torch.float64)
+    freqs = 1.0 / ROPE_THETA ** (torch.arange(0, lay.head_dim, 2, dtype=torch.float64) / lay.head_dim)
+    shifts = rope.mean_shifts(mean, freqs, SHIFT_BLOCK, context)
+    return replace(layer, key_shifts=shifts.float().to(layer.k_scale.device).contiguous(), shift_block=SHIFT_BLOCK)
 
 
 def _time_us(fn, graph: bool = True) -> float:
@@ -198,9 +220,11 @@ def decode_bytes(case: DecodeCase, context: int) -> int:
 
 def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  group: int = 128, copy_gbs: float | None = None, seed: int = 0, device: str = "cuda",
-                 timer=_time_us, key_bits: int = 2, inner: float | None = None) -> AttentionResult:
+                 timer=_time_us, key_bits: int = 2, inner: float | None = None,
+                 key_shifts: bool = False) -> AttentionResult:
     """One decode step at `context` tokens per sequence. `timer(fn) -> microseconds`; key_bits 4:
-    a layer with INT4 keys and INT2 values; inner: also time the step at Lloyd–Max levels."""
+    a layer with INT4 keys and INT2 values; inner: also time the step at Lloyd–Max levels; key_shifts: also
+    time it with key shifts (`with_key_shifts`)."""
     case = decode_case(batch, context, query_heads, kv_heads, head_dim, group, seed, device, key_bits)
     device = torch.device(device)
     cache, layout, layer, slots, step = case.cache, case.layer.layout, case.layer, case.slots, case.step
@@ -262,11 +286,24 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
         lloyd_error = (out.float() - reference.attention_reference(lloyd_layer, step, q, k_new, v_new, scale)
                        ).abs().max().item()
         lloyd_us = timer(lloyd)
+    shifts_us = shifts_error = None
+    if key_shifts:
+        shifted = with_key_shifts(layer, context)
+
+        def int2_shifted():
+            attend_step(shifted, step, q, k_new, v_new, scale, num_splits=splits, out=out, workspace=workspace,
+                        validate=False)
+
+        int2_shifted()
+        shifts_error = (out.float() - reference.attention_reference(shifted, step, q, k_new, v_new, scale)
+                        ).abs().max().item()
+        shifts_us = timer(int2_shifted)
     return AttentionResult(batch, context, sdpa_us, int2_us, sdpa_us / int2_us, sdpa_bytes, int2_bytes,
                            sdpa_bytes / sdpa_us / 1e3, int2_gbs, int2_gbs / copy_gbs, copy_gbs, error, sdpa_gap,
                            splits, backend, lloyd_us, lloyd_error, copy_us, copy_us / int2_us, sdpa_any_us,
                            min(sdpa_us, sdpa_any_us) / int2_us,
-                           "gluon" if gluon_history.takes(layer, step, query_heads, 0, device) else "triton")
+                           "gluon" if gluon_history.takes(layer, step, query_heads, 0, device) else "triton",
+                           shifts_us, shifts_error)
 
 
 def _sdpa_flash(q, k, v):
@@ -307,7 +344,7 @@ def write_case(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, grou
 
 
 def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, group: int = 128,
-                copy_gbs: float | None = None, inner: float | None = None) -> WriteResult:
+                copy_gbs: float | None = None, inner: float | None = None, key_shifts: bool = False) -> WriteResult:
     """Write path of a prompt of `tokens` tokens into an empty cache (center, rotate, quantize, pack).
 
     Timed with CUDA graphs, as the decode rows are, so the time is the GPU's; `eager_microseconds` is the same
@@ -325,6 +362,10 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
     if inner is not None:
         lloyd_layer = replace(layer, layout=replace(layout, key_inner=inner, value_inner=inner))
         lloyd_us = _time_us(lambda: write(lloyd_layer))
+    shifts_us = None
+    if key_shifts:
+        shifted = with_key_shifts(layer, tokens)
+        shifts_us = _time_us(lambda: write(shifted))
     hist = layout.history_end(tokens) - layout.sink_tokens
     window_tokens = tokens - hist
     moved = (2 * k.numel() * 2  # read K and V
@@ -333,20 +374,20 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
              + 2 * window_tokens * kv_heads * head_dim * 2)
     copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
     gbs = moved / us / 1e3
-    return WriteResult(tokens, us, tokens / us * 1e6, moved, gbs, gbs / copy_gbs, lloyd_us, eager_us)
+    return WriteResult(tokens, us, tokens / us * 1e6, moved, gbs, gbs / copy_gbs, lloyd_us, eager_us, shifts_us)
 
 
 def run(shapes=DEFAULT_SHAPES, write_tokens: int = 32768, inner: float | None = None,
-        layer: LayerShape = QWEN3_LAYER) -> dict:
+        layer: LayerShape = QWEN3_LAYER, key_shifts: bool = False) -> dict:
     require_cuda("bench attention")
     device = torch.device("cuda")
     copy_gbs = copy_bandwidth_gbs(device)
     rows = []
     for batch, context in shapes:
         rows.append(asdict(bench_decode(batch, context, layer.query_heads, layer.kv_heads, layer.head_dim, layer.group,
-                                        copy_gbs=copy_gbs, inner=inner)))
+                                        copy_gbs=copy_gbs, inner=inner, key_shifts=key_shifts)))
         torch.cuda.empty_cache()
     write = asdict(bench_write(write_tokens, layer.kv_heads, layer.head_dim, layer.group, copy_gbs=copy_gbs,
-                               inner=inner))
+                               inner=inner, key_shifts=key_shifts))
     return {"device": torch.cuda.get_device_name(device), "copy_bandwidth_gbs": copy_gbs, "layer": asdict(layer),
             "decode": rows, "write": write, "torch": torch.__version__}
