@@ -31,7 +31,10 @@ not give (it moved the weights through shared memory, docs/data/head-columns-var
   whose rows all hold the zeros), not a per-thread fold (fifty-fifth session).
 - Key shifts: the page's score term t enters as exp2(s·u − (m − t)), with t also added to the page's maximum, so
   it costs two adds a page and no work per score; the launch is capped at 128 registers with shifts (fifty-sixth
-  session: it took 136 before, 15 programs a multiprocessor, and a 32x8K layer 98 µs instead of 66.5).
+  session: it took 136 before, 15 programs a multiprocessor, and a 32x8K layer 98 µs instead of 66.5). Each
+  program computes the terms of its own split's blocks before its loop, into shared memory, where a split spans at
+  most TERM_ROWS blocks (`terms_in_programs`); else they come from a launch of their own before this one
+  (fifty-eighth session: one layer 1x128K 37.3 -> 34.6 µs, 1x32K 17.2 -> 15.7 with shifts).
 
 Measured on the H200 (docs/kernels.md, fifty-first, fifty-second and fifty-fifth sessions): 723 SASS instructions
 per page in the loop against 1097, 68 dots against 132, 128 registers (Triton 3.6, sm_90); one layer's decode step
