@@ -272,32 +272,25 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
     int2_gbs = int2_bytes / int2_us / 1e3
     copy_us = same_bytes_copy_us(int2_bytes, device, timer)
-    lloyd_us = lloyd_error = None
+
+    def variant(lay: PagedLayer) -> tuple[float, float]:
+        """(time, max abs error against the torch reference) of the same step over the layer `lay`."""
+
+        def step_fn():
+            attend_step(lay, step, q, k_new, v_new, scale, num_splits=splits, out=out, workspace=workspace,
+                        validate=False)
+
+        step_fn()
+        error = (out.float() - reference.attention_reference(lay, step, q, k_new, v_new, scale)).abs().max().item()
+        return timer(step_fn), error
+
+    lloyd_us = lloyd_error = shifts_us = shifts_error = None
     if inner is not None:
         del k_full, v_full, reference_out
-        lloyd_layer = replace(layer, layout=replace(layout, key_inner=inner if layout.key_bits == 2 else None,
-                                                    value_inner=inner))
-
-        def lloyd():
-            attend_step(lloyd_layer, step, q, k_new, v_new, scale, num_splits=splits, out=out, workspace=workspace,
-                        validate=False)
-
-        lloyd()
-        lloyd_error = (out.float() - reference.attention_reference(lloyd_layer, step, q, k_new, v_new, scale)
-                       ).abs().max().item()
-        lloyd_us = timer(lloyd)
-    shifts_us = shifts_error = None
+        lloyd_us, lloyd_error = variant(replace(layer, layout=replace(
+            layout, key_inner=inner if layout.key_bits == 2 else None, value_inner=inner)))
     if key_shifts:
-        shifted = with_key_shifts(layer, context)
-
-        def int2_shifted():
-            attend_step(shifted, step, q, k_new, v_new, scale, num_splits=splits, out=out, workspace=workspace,
-                        validate=False)
-
-        int2_shifted()
-        shifts_error = (out.float() - reference.attention_reference(shifted, step, q, k_new, v_new, scale)
-                        ).abs().max().item()
-        shifts_us = timer(int2_shifted)
+        shifts_us, shifts_error = variant(with_key_shifts(layer, context))
     return AttentionResult(batch, context, sdpa_us, int2_us, sdpa_us / int2_us, sdpa_bytes, int2_bytes,
                            sdpa_bytes / sdpa_us / 1e3, int2_gbs, int2_gbs / copy_gbs, copy_gbs, error, sdpa_gap,
                            splits, backend, lloyd_us, lloyd_error, copy_us, copy_us / int2_us, sdpa_any_us,
