@@ -16,7 +16,7 @@ from oscarkv.config import CacheConfig
 from oscarkv.errors import OscarError
 from oscarkv.kernels.ops import (attend_step, check_block_table, choose_row_groups, resolve_backend, rotation_pieces,
                                  triton_available, uses_rotation_pieces, write_step)
-from oscarkv.kernels.reference import stored_kv_reference
+from oscarkv.kernels.reference import attention_reference, stored_kv_reference
 from paged_helpers import PagedRun, random_rotation, random_step
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -959,7 +959,7 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
     case = attention.decode_case(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, device=DEVICE)
     shifted = attention.with_key_shifts(case.layer, 700)
     assert shifted.key_shifts.shape == (6, 1, 64) and shifted.key_shifts[0].abs().max() == 0
-    plain, moved = (attention.reference.attention_reference(layer, case.step, case.q, case.k_new, case.v_new, 0.125)
+    plain, moved = (attention_reference(layer, case.step, case.q, case.k_new, case.v_new, 0.125)
                     for layer in (case.layer, shifted))
     assert (plain - moved).abs().max() > 2 * OUTPUT_TOLERANCE  # the shifts change what the step reads
     result = bench_decode(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, copy_gbs=1.0, device=DEVICE,
