@@ -100,16 +100,13 @@ def _step(case, splits: int, history: str, windows: bool = True, layer=None, ter
     return fn, out
 
 
-def _with_key_shifts(layer, context: int, block: int = 1024):
-    """The layer with random key shifts over blocks of `block` positions (key_centering "rope", the default of a
-    centered artifact; `PagedLayer.key_shifts`): the kernels then add each page's score term."""
-    from dataclasses import replace
+def _with_key_shifts(layer, context: int):
+    """The layer with key shifts (key_centering "rope", the default of a centered artifact; `PagedLayer.key_shifts`):
+    `bench attention --key-shifts`'s, RoPE-turned random means over blocks of 1024 positions; the kernels then add
+    each page's score term."""
+    from oscarkv.benchmarks.attention import with_random_key_shifts
 
-    import torch
-
-    gen = torch.Generator().manual_seed(1)
-    shifts = 0.1 * torch.randn(-(-context // block) + 1, layer.layout.kv_heads, layer.layout.head_dim, generator=gen)
-    return replace(layer, key_shifts=shifts.to(layer.k_scale.device), shift_block=block)
+    return with_random_key_shifts(layer, context)
 
 
 def gpu_main(shapes: str, variants: str = "triton,gluon") -> None:

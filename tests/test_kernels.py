@@ -957,7 +957,7 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
     monkeypatch.setattr(attention, "same_bytes_copy_us", recorded_copy)
     monkeypatch.setattr(attention, "SHIFT_BLOCK", 128)  # key shifts that change within these 700 positions
     case = attention.decode_case(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, device=DEVICE)
-    shifted = attention.with_key_shifts(case.layer, 700)
+    shifted = attention.with_random_key_shifts(case.layer, 700)
     assert shifted.key_shifts.shape == (6, 1, 64) and shifted.key_shifts[0].abs().max() == 0
     plain, moved = (attention_reference(layer, case.step, case.q, case.k_new, case.v_new, 0.125)
                     for layer in (case.layer, shifted))

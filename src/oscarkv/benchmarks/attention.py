@@ -117,7 +117,7 @@ class WriteResult:
     shifts_microseconds: float | None = None  # the same write with key shifts (`key_shifts`)
 
 
-def with_key_shifts(layer: PagedLayer, context: int, seed: int = 0) -> PagedLayer:
+def with_random_key_shifts(layer: PagedLayer, context: int, seed: int = 0) -> PagedLayer:
     """The layer with the key shifts of key_centering "rope" (`PagedLayer.key_shifts`) for contexts up to `context`:
     (R(o) - 1)·μ for a random key mean μ of norm ~4 per head and Qwen3's RoPE frequencies, blocks of SHIFT_BLOCK."""
     lay = layer.layout
@@ -224,7 +224,7 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
                  key_shifts: bool = False) -> AttentionResult:
     """One decode step at `context` tokens per sequence. `timer(fn) -> microseconds`; key_bits 4:
     a layer with INT4 keys and INT2 values; inner: also time the step at Lloyd–Max levels; key_shifts: also
-    time it with key shifts (`with_key_shifts`)."""
+    time it with key shifts (`with_random_key_shifts`)."""
     case = decode_case(batch, context, query_heads, kv_heads, head_dim, group, seed, device, key_bits)
     device = torch.device(device)
     cache, layout, layer, slots, step = case.cache, case.layer.layout, case.layer, case.slots, case.step
@@ -290,7 +290,7 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
         lloyd_us, lloyd_error = variant(replace(layer, layout=replace(
             layout, key_inner=inner if layout.key_bits == 2 else None, value_inner=inner)))
     if key_shifts:
-        shifts_us, shifts_error = variant(with_key_shifts(layer, context))
+        shifts_us, shifts_error = variant(with_random_key_shifts(layer, context))
     return AttentionResult(batch, context, sdpa_us, int2_us, sdpa_us / int2_us, sdpa_bytes, int2_bytes,
                            sdpa_bytes / sdpa_us / 1e3, int2_gbs, int2_gbs / copy_gbs, copy_gbs, error, sdpa_gap,
                            splits, backend, lloyd_us, lloyd_error, copy_us, copy_us / int2_us, sdpa_any_us,
@@ -357,7 +357,7 @@ def bench_write(tokens: int = 32768, kv_heads: int = 8, head_dim: int = 128, gro
         lloyd_us = _time_us(lambda: write(lloyd_layer))
     shifts_us = None
     if key_shifts:
-        shifted = with_key_shifts(layer, tokens)
+        shifted = with_random_key_shifts(layer, tokens)
         shifts_us = _time_us(lambda: write(shifted))
     hist = layout.history_end(tokens) - layout.sink_tokens
     window_tokens = tokens - hist
