@@ -141,7 +141,8 @@ def launch_settings(query_heads: int, kv_heads: int, sink: int, recent: int, num
                     overlap: int, key_shifts: int, shift_block: int) -> tuple[dict, dict]:
     """(constexprs, options) of the history kernel's launch, register cap included: what `launch` launches and
     `compile_check` compiles. overlap: its OVERLAP (0, 1 or 2); key_shifts: its KEY_SHIFTS (0 none, 1 the score terms
-    in the arguments, 2 the layer's key shifts in them, `terms_in_programs`); shift_block: the layer's key-shift block."""
+    in the arguments, 2 the layer's key shifts in them, `terms_in_programs`); shift_block: the layer's key-shift
+    block."""
     from .hardware import register_cap_supported
 
     cap = dict(maxnreg=register_cap(key_shifts)) if register_cap_supported() else {}
