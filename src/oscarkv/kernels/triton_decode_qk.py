@@ -28,6 +28,11 @@ history program asks for its first pages at once when it starts. That took 1×10
 from 4.313–4.317 to 4.281–4.289 ms (`ops.prefetched_splits` has the figures). Whole pages, two or more pages, and
 bulk prefetches (the launch then ends only when they land) were slower (docs/data/qk-prefetch-h100.txt).
 
+The query and key programs' code comes first in the compiled kernel (`_query_key_block`, taken before the flush and
+prefetch branches): behind the flush's quantizer, about 8,900 SASS instructions (9,500 with key shifts) before it on
+sm_90, the launch took 2.9 µs a layer at 1x100K on the H200 and 3.8-4.0 µs with key shifts; first, 2.5-2.8 µs either
+way (time exposed in whole random Qwen3-4B steps; the centered step 3.635-3.638 -> 3.556-3.564 ms, docs/decode.md).
+
 With `overlap` (Hopper, `triton_pdl`) the launch starts while the projection before it ends: cos/sin,
 the R_K columns and μ_K load before it waits; the norm weights load with the rows, after it. Reference:
 `oscarkv.kernels.reference.decode_query_key_reference`.
@@ -175,54 +180,17 @@ def _prefetch_first_keys(b, h, chunk, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_str
 
 
 @triton.jit
-def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mean_ptr, q_out_ptr, k_out_ptr,
-                      rows, q_eps, k_eps, stride_q, stride_k, stride_cos, stride_sin,
-                      v_ptr, stride_v, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
-                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
-                      kshift_ptr, num_blocks, k_low, k_high, v_low, v_high,
-                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
-                      PER_HEAD: tl.constexpr, ROTATE_KEYS: tl.constexpr, CENTER_KEYS: tl.constexpr,
-                      HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
-                      NG: tl.constexpr = 1, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, P: tl.constexpr = 64,
-                      S: tl.constexpr = 64, R: tl.constexpr = 256, CLIP_K: tl.constexpr = -1,
-                      CLIP_V: tl.constexpr = -1, SHIFT: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16,
-                      KEY_SHIFTS: tl.constexpr = False, SHIFT_BLOCK: tl.constexpr = 1, K_LLOYD: tl.constexpr = False,
-                      V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True, FLUSH_BLOCKS: tl.constexpr = 0,
-                      PREFETCH_SPLITS: tl.constexpr = 0, PREFETCH_PAGES: tl.constexpr = 0,
-                      PREFETCH_BLOCK: tl.constexpr = 32):
-    """See the module doc. FLUSH_BLOCKS > 0 (a decode step that writes the cache, `launch_decode_qk`'s `write`):
-    the key programs also store each row's rotated key and its value in the sink or ring
-    (`_store_step_token`), and BLOCK · FLUSH_BLOCKS · HKV more programs per block of rows move the ring tokens
-    that age out to their pages (`triton_write._flush_block`: one row, token block and KV head each); the
-    arguments from v_ptr on and the constexprs from NG on are the write kernel's (None and defaults otherwise)."""
-    pid = tl.program_id(1)
+def _query_key_block(pid, q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mean_ptr, q_out_ptr, k_out_ptr,
+                     rows, q_eps, k_eps, stride_q, stride_k, stride_cos, stride_sin, v_ptr, stride_v, slots_ptr,
+                     len_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
+                     PER_HEAD: tl.constexpr, ROTATE_KEYS: tl.constexpr, CENTER_KEYS: tl.constexpr,
+                     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     OVERLAP: tl.constexpr, P: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                     FLUSH_BLOCKS: tl.constexpr):
+    """Query program `pid` < HQ·(column blocks), else key program: the launch's own work (see the module doc)."""
     blocks_per_head: tl.constexpr = D // BLOCK_N if ROTATE else 1
     key_blocks: tl.constexpr = D // BLOCK_N if ROTATE_KEYS else 1
-    if PREFETCH_SPLITS > 0 and PREFETCH_PAGES > 0:
-        fetch = pid - HQ * blocks_per_head - HKV * key_blocks - FLUSH_BLOCKS * HKV * BLOCK
-        if fetch >= 0:
-            b = tl.program_id(0) * BLOCK + fetch % BLOCK  # one per row of a block of rows, KV head and BLOCK splits
-            if COMPILED and b < rows:  # (inline PTX: the interpreter skips the hint)
-                _prefetch_first_keys(b, (fetch // BLOCK) % HKV, fetch // BLOCK // HKV, slots_ptr, cu_ptr, len_ptr,
-                                     bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, HKV, D, NG, K_BITS, P, S,
-                                     R, PREFETCH_SPLITS, PREFETCH_PAGES, PREFETCH_BLOCK)
-            return
-    if FLUSH_BLOCKS > 0:
-        flush = pid - HQ * blocks_per_head - HKV * key_blocks
-        if flush >= 0:
-            if OVERLAP:
-                gdc_launch_dependents()
-                gdc_wait()
-            b = tl.program_id(0) * BLOCK + flush % BLOCK  # one flush program per row (sequence), block and head
-            block_and_head = flush // BLOCK
-            if b < rows:
-                _flush_block(b, block_and_head % FLUSH_BLOCKS, block_and_head // FLUSH_BLOCKS, 2, slots_ptr, cu_ptr,
-                             len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                             ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG,
-                             K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD,
-                             V_LLOYD, COMPILED)
-            return
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = r < rows
     cols = tl.arange(0, D)
@@ -273,6 +241,62 @@ def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mea
                                   P, S, R)
         else:
             tl.store(out + cols[None, :], x.to(dtype), mask=valid[:, None])
+
+
+@triton.jit
+def _decode_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mean_ptr, q_out_ptr, k_out_ptr,
+                      rows, q_eps, k_eps, stride_q, stride_k, stride_cos, stride_sin,
+                      v_ptr, stride_v, slots_ptr, cu_ptr, len_ptr, bt_ptr, bt_stride, num_pages,
+                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
+                      kshift_ptr, num_blocks, k_low, k_high, v_low, v_high,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
+                      PER_HEAD: tl.constexpr, ROTATE_KEYS: tl.constexpr, CENTER_KEYS: tl.constexpr,
+                      HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
+                      NG: tl.constexpr = 1, K_BITS: tl.constexpr = 2, V_BITS: tl.constexpr = 2, P: tl.constexpr = 64,
+                      S: tl.constexpr = 64, R: tl.constexpr = 256, CLIP_K: tl.constexpr = -1,
+                      CLIP_V: tl.constexpr = -1, SHIFT: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16,
+                      KEY_SHIFTS: tl.constexpr = False, SHIFT_BLOCK: tl.constexpr = 1, K_LLOYD: tl.constexpr = False,
+                      V_LLOYD: tl.constexpr = False, COMPILED: tl.constexpr = True, FLUSH_BLOCKS: tl.constexpr = 0,
+                      PREFETCH_SPLITS: tl.constexpr = 0, PREFETCH_PAGES: tl.constexpr = 0,
+                      PREFETCH_BLOCK: tl.constexpr = 32):
+    """See the module doc. FLUSH_BLOCKS > 0 (a decode step that writes the cache, `launch_decode_qk`'s `write`):
+    the key programs also store each row's rotated key and its value in the sink or ring
+    (`_store_step_token`), and BLOCK · FLUSH_BLOCKS · HKV more programs per block of rows move the ring tokens
+    that age out to their pages (`triton_write._flush_block`: one row, token block and KV head each); the
+    arguments from v_ptr on and the constexprs from NG on are the write kernel's (None and defaults otherwise)."""
+    pid = tl.program_id(1)
+    blocks_per_head: tl.constexpr = D // BLOCK_N if ROTATE else 1
+    key_blocks: tl.constexpr = D // BLOCK_N if ROTATE_KEYS else 1
+    extra = pid - HQ * blocks_per_head - HKV * key_blocks  # flush programs, then prefetch programs
+    if extra < 0:  # first in the code: the query and key programs, which every step runs
+        _query_key_block(pid, q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, mean_ptr, q_out_ptr, k_out_ptr,
+                         rows, q_eps, k_eps, stride_q, stride_k, stride_cos, stride_sin, v_ptr, stride_v, slots_ptr,
+                         len_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr, HQ, HKV, D, ROTATE, PER_HEAD,
+                         ROTATE_KEYS, CENTER_KEYS, HAS_Q_NORM, HAS_K_NORM, BLOCK, BLOCK_N, OVERLAP, P, S, R,
+                         FLUSH_BLOCKS)
+        return
+    if FLUSH_BLOCKS > 0:
+        if extra < FLUSH_BLOCKS * HKV * BLOCK:
+            if OVERLAP:
+                gdc_launch_dependents()
+                gdc_wait()
+            b = tl.program_id(0) * BLOCK + extra % BLOCK  # one flush program per row (sequence), block and head
+            block_and_head = extra // BLOCK
+            if b < rows:
+                _flush_block(b, block_and_head % FLUSH_BLOCKS, block_and_head // FLUSH_BLOCKS, 2, slots_ptr, cu_ptr,
+                             len_ptr, bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                             ring_k_ptr, ring_v_ptr, kshift_ptr, num_blocks, k_low, k_high, v_low, v_high, HKV, D, NG,
+                             K_BITS, V_BITS, P, S, R, CLIP_K, CLIP_V, SHIFT, BLOCK_T, KEY_SHIFTS, SHIFT_BLOCK, K_LLOYD,
+                             V_LLOYD, COMPILED)
+            return
+    if PREFETCH_SPLITS > 0 and PREFETCH_PAGES > 0:
+        fetch = extra - FLUSH_BLOCKS * HKV * BLOCK
+        b = tl.program_id(0) * BLOCK + fetch % BLOCK  # one per row of a block of rows, KV head and BLOCK splits
+        if COMPILED and b < rows:  # (inline PTX: the interpreter skips the hint)
+            _prefetch_first_keys(b, (fetch // BLOCK) % HKV, fetch // BLOCK // HKV, slots_ptr, cu_ptr, len_ptr,
+                                 bt_ptr, bt_stride, num_pages, kc_ptr, ks_ptr, kz_ptr, HKV, D, NG, K_BITS, P, S,
+                                 R, PREFETCH_SPLITS, PREFETCH_PAGES, PREFETCH_BLOCK)
 
 
 def launch_decode_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
