@@ -11,8 +11,12 @@ prints:
 - the launch's span (first start to last end) and, as fractions of it, when the programs start and end;
 - the programs' durations (min / median / max) and pages per program;
 - the mean number of resident programs per multiprocessor over the span (what Nsight Compute calls achieved
-  occupancy), and the span's part after the first multiprocessor has run out of programs (the tail).
---save writes the raw records (program, split, sm, start, end in ns from the first start) as CSV.
+  occupancy), and the span's part after the first multiprocessor has run out of programs (the tail);
+- by tier (a program's rank among its multiprocessor's by linear index, over its four warp schedulers, whose
+  oldest warp issues first: the programs end in these tiers), the mean end and pages.
+--save writes the raw records (linear block index split·pairs + pair, sm, start and end in ns from the first start,
+pages) as CSV. (The fifty-sixth session's CSVs in docs/data have columns program, split: index i = program·S + split
+for S all splits, window splits included, while the record index was pair·(history splits) + split.)
 """
 
 from __future__ import annotations
@@ -42,16 +46,18 @@ def timed_kernel():
 
     source = inspect.getsource(gluon_history_kernel)
     head, _, body = source.partition("@gluon.jit\ndef history_kernel(")
-    body = body.replace("STAGES: gl.constexpr = 2):", "STAGES: gl.constexpr = 2, timer_ptr=None):", 1)
+    head = head.replace("from .", "from oscarkv.kernels.")  # loaded as a module of its own, outside the package
+    assert "):\n" in body  # the end of the signature
+    body = body.replace("):\n", ", timer_ptr=None):\n", 1)
     start_marker = "    pid = gl.program_id(0)\n    split = gl.program_id(1)\n"
     assert start_marker in body
     body = body.replace(start_marker, start_marker + "    t_start, sm = _clock_and_sm()\n", 1)
     end_marker = "    if OVERLAP == 2:\n        _grid_dependency(\"griddepcontrol.wait;\")\n"
     assert body.endswith(end_marker)
     record = ("    t_end, _ = _clock_and_sm()\n"
-              "    rec = timer_ptr + (pid * gl.num_programs(1) + split) * 4\n"
+              "    rec = timer_ptr + (split * gl.num_programs(0) + pid) * 4\n"  # the block's linear index
               "    gl.store(rec, t_start)\n    gl.store(rec + 1, t_end)\n"
-              "    gl.store(rec + 2, sm.to(gl.int64))\n    gl.store(rec + 3, (hi - lo).to(gl.int64))\n")
+              "    gl.store(rec + 2, sm.to(gl.int64))\n    gl.store(rec + 3, gl.maximum(hi - lo, 0).to(gl.int64))\n")
     body = body[:-len(end_marker)] + record + end_marker
     text = head + TIMER + "@gluon.jit\ndef history_kernel(" + body
     path = Path(tempfile.mkdtemp()) / "timed_history_kernel.py"
@@ -97,6 +103,7 @@ def run_shape(batch: int, context: int, timed, save: Path | None, forced: int | 
         torch.cuda.synchronize()
     finally:
         gluon_history_kernel.history_kernel = shipped
+    linear = torch.nonzero(records[:, 1] > 0).flatten().cpu()  # the blocks' linear indices (the order they start)
     rec = records[records[:, 1] > 0].cpu()
     programs = rec.shape[0]
     t0 = rec[:, 0].min()
@@ -124,13 +131,22 @@ def run_shape(batch: int, context: int, timed, save: Path | None, forced: int | 
     print(f"  durations min / median / max {dur.min().item() / 1e3:.1f} / {q(dur, .5) / 1e3:.1f} / "
           f"{dur.max().item() / 1e3:.1f} us; resident programs per SM over the span {resident:.2f}; "
           f"first SM empty at {(span - tail) / 1e3:.1f} us (tail {tail / 1e3:.1f} us, {tail / span:.0%})")
+    # tiers: a program's rank among its multiprocessor's by linear index, over the four warp schedulers
+    rank = torch.zeros(programs, dtype=torch.int64)
+    for sm in range(sms):
+        members = torch.nonzero(rec[:, 2] == sm).flatten()
+        rank[members[torch.argsort(linear[members])]] = torch.arange(len(members))
+    tier = rank // 4
+    ends = [end[tier == t] for t in range(int(tier.max()) + 1)]
+    print("  by tier (rank on its SM // 4): mean end " + " / ".join(f"{e.mean().item() / 1e3:.1f}" for e in ends)
+          + " us, mean pages " + " / ".join(f"{rec[tier == t, 3].double().mean().item():.1f}" for t in range(len(ends))))
     if save is not None:
         save.mkdir(parents=True, exist_ok=True)
         path = save / f"history-timeline-{batch}x{context}-{splits}{'-shifts' if key_shifts else ''}.csv"
         with path.open("w") as f:
-            f.write("program,split,sm,start_ns,end_ns,pages\n")
-            for i, (s, e, sm, pages) in enumerate(rec.tolist()):
-                f.write(f"{i // splits},{i % splits},{sm},{s - t0.item()},{e - t0.item()},{pages}\n")
+            f.write("linear,sm,start_ns,end_ns,pages\n")
+            for i, (s, e, sm, pages) in zip(linear.tolist(), rec.tolist()):
+                f.write(f"{i},{sm},{s - t0.item()},{e - t0.item()},{pages}\n")
 
 
 def main() -> None:

@@ -10,6 +10,9 @@ adds to the step. Instants with no kernel running are charged to "idle".
     PYTHONPATH=src:scripts python scripts/profile_decode_timeline.py [--model random:qwen3-4b] \
         [--context 100000] [--batch 1] [--caches int2,bf16] [--layer 18]
 
+A cache name ending in -centered (int2-centered) runs the INT2 cache as an `oscar` artifact does, key shifts
+included (`bench decode --centered`).
+
 Prints, per cache: the step time with and without the profiler, the exposed time and the summed
 duration per kernel name over one step, and one decoder layer's kernels in launch order.
 """
@@ -65,7 +68,7 @@ def step_kernels(model, cache_name: str, batch: int, context: int, replays: int)
     """Kernels (start µs, end µs, name) of the middle replay of `replays`, and the mean step ms with and
     without the profiler."""
     release_memory()
-    _patch(model, cache_name)
+    _patch(model, cache_name.removesuffix("-centered"), centered=cache_name.endswith("-centered"))
     steps = 4 + 2 * replays + 8
     cache = slot_cache_for(model, batch, context + steps + 1)
     slots = [cache.open(context + steps + 1) for _ in range(batch)]
