@@ -320,3 +320,24 @@ def test_prefetched_keys_are_the_first_pages_each_history_split_reads(splits, bl
                         expected[b, h, j, s] = int(bt[slot, s * share + j]) * 3 + h
     assert (expected[:, :, 0] >= 0).any() and (expected[:, :, 0] == -1).any()  # some splits have pages, some not
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("key_shifts", [False, True])
+def test_query_and_key_programs_come_first_in_the_compiled_launch(key_shifts):
+    """The decode step's query/key launch also holds the flush's quantizer (about 9,000 SASS instructions on sm_90)
+    and the prefetch programs. Compiled with the flush first, its everyday query and key programs began after that
+    code and took 2.9 µs a layer at 1x100K on the H200, 3.8-4.0 with key shifts; first, 2.5-2.8 (fifty-ninth session,
+    docs/decode.md). Their code (the RMSNorm's reciprocal square root, which the flush does not take) must stay in
+    the first tenth of the kernel; before the change it began at 89% of it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from oscarkv.kernels import compile_check as c; "
+            f"s = c.sass_instructions(c.decode_qk_write_kernel(90, 1, {key_shifts})); "
+            "print(next(i for i, line in enumerate(s) if 'MUFU.RSQ' in line), len(s))")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"),
+                          capture_output=True, text=True, timeout=600)  # compiled, not interpreted
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, total = (int(x) for x in done.stdout.split()[-2:])
+    assert total > 5000 and first < total // 10, (first, total)

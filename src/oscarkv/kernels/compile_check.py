@@ -129,6 +129,29 @@ def gluon_history_kernel(arch: int = 90, key_shifts: int = 0):
     return compile_kernel(fn, types, constexprs, arch, **options)
 
 
+def decode_qk_write_kernel(arch: int = 90, batch: int = 1, key_shifts: bool = False):
+    """The decode step's query/key launch with the cache write, flush and prefetch programs
+    (`ops.decode_query_key_write`) compiled for sm_`arch` at the Qwen3 shapes (32 query / 8 KV heads, D = 128, INT2
+    pages of 64 tokens); key_shifts: its flush subtracts key shifts (key_centering "rope")."""
+    from . import triton_decode_qk
+
+    d, page = 128, 64
+    rows, columns, warps = triton_decode_qk.launch_plan(batch, d)
+    constexprs = dict(HQ=32, HKV=8, D=d, ROTATE=True, PER_HEAD=False, ROTATE_KEYS=True, CENTER_KEYS=True,
+                      HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns, OVERLAP=arch >= 90, NG=1,
+                      K_BITS=2, V_BITS=2, P=page, S=64, R=256, K_LLOYD=False, V_LLOYD=False, CLIP_K=int(0.96 * d),
+                      CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=key_shifts, SHIFT_BLOCK=1024, COMPILED=True,
+                      BLOCK_T=16, FLUSH_BLOCKS=page // 16, PREFETCH_SPLITS=132 if batch == 1 else 0, PREFETCH_PAGES=1)
+    return compile_kernel(triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES, constexprs, arch, num_warps=warps,
+                          enable_fp_fusion=False)
+
+
+def sass_instructions(kernel) -> list[str]:
+    """The SASS instructions of a compiled kernel (`compile_kernel`), in the order of its code."""
+    return [line for line in cubin_tool("nvdisasm", kernel.asm["cubin"]).splitlines()
+            if line.strip().startswith("/*") and "*/" in line and ";" in line]
+
+
 def _compile(fn, types: dict, constexprs: dict, arch: int, **options) -> float:
     start = time.perf_counter()
     compile_kernel(fn, types, constexprs, arch, **options)
