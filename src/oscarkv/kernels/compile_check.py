@@ -129,21 +129,32 @@ def gluon_history_kernel(arch: int = 90, key_shifts: int = 0):
     return compile_kernel(fn, types, constexprs, arch, **options)
 
 
-def decode_qk_write_kernel(arch: int = 90, batch: int = 1, key_shifts: bool = False):
-    """The decode step's query/key launch with the cache write, flush and prefetch programs
-    (`ops.decode_query_key_write`) compiled for sm_`arch` at the Qwen3 shapes (32 query / 8 KV heads, D = 128, INT2
-    pages of 64 tokens); key_shifts: its flush subtracts key shifts (key_centering "rope")."""
+def decode_qk_write_job(arch: int, batch: int, query_heads: int, write: dict) -> tuple:
+    """(kernel, types, constexprs, options) of the decode step's query/key launch with its cache write, flush and
+    prefetch programs (`ops.decode_query_key_write`) at `batch` rows; write: the write launch's constexprs (HKV, D, P
+    and the flush's, `triton_write.flush_arguments`)."""
     from . import triton_decode_qk
 
-    d, page = 128, 64
+    d = write["D"]
     rows, columns, warps = triton_decode_qk.launch_plan(batch, d)
-    constexprs = dict(HQ=32, HKV=8, D=d, ROTATE=True, PER_HEAD=False, ROTATE_KEYS=True, CENTER_KEYS=True,
-                      HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns, OVERLAP=arch >= 90, NG=1,
-                      K_BITS=2, V_BITS=2, P=page, S=64, R=256, K_LLOYD=False, V_LLOYD=False, CLIP_K=int(0.96 * d),
-                      CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=key_shifts, SHIFT_BLOCK=1024, COMPILED=True,
-                      BLOCK_T=16, FLUSH_BLOCKS=page // 16, PREFETCH_SPLITS=132 if batch == 1 else 0, PREFETCH_PAGES=1)
-    return compile_kernel(triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES, constexprs, arch, num_warps=warps,
-                          enable_fp_fusion=False)
+    flush = {name: value for name, value in write.items() if name not in ("HKV", "D")}
+    constexprs = dict(HQ=query_heads, HKV=write["HKV"], D=d, ROTATE=True, PER_HEAD=False, ROTATE_KEYS=True,
+                      CENTER_KEYS=True, HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns,
+                      OVERLAP=arch >= 90, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-write["P"] // 16), PREFETCH_SPLITS=132,
+                      PREFETCH_PAGES=2)
+    return triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES, constexprs, dict(num_warps=warps,
+                                                                                 enable_fp_fusion=False)
+
+
+def decode_qk_write_kernel(arch: int = 90, batch: int = 1, key_shifts: bool = False):
+    """`decode_qk_write_job` compiled for sm_`arch` at the Qwen3 shapes (32 query / 8 KV heads, D = 128, INT2 pages of
+    64 tokens); key_shifts: its flush subtracts key shifts (key_centering "rope")."""
+    d = 128
+    write = dict(D=d, HKV=8, NG=1, K_BITS=2, V_BITS=2, P=64, S=64, R=256, K_LLOYD=False, V_LLOYD=False,
+                 CLIP_K=int(0.96 * d), CLIP_V=int(0.92 * d), SHIFT=16, KEY_SHIFTS=key_shifts, SHIFT_BLOCK=1024,
+                 COMPILED=True)
+    fn, types, constexprs, options = decode_qk_write_job(arch, batch, 32, write)
+    return compile_kernel(fn, types, constexprs, arch, **options)
 
 
 def sass_instructions(kernel) -> list[str]:
@@ -262,11 +273,7 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                              HAS_Q_NORM=True, HAS_K_NORM=True, BLOCK=rows, BLOCK_N=columns, OVERLAP=pdl)
             jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
                          dict(decode_qk, **dict.fromkeys(triton_decode_qk.WRITE_ARGUMENTS)), dict(num_warps=warps)))
-            flush = {name: value for name, value in write.items() if name not in ("HKV", "D")}
-            jobs.append((triton_decode_qk._decode_qk_kernel, DECODE_QK_TYPES,
-                         dict(decode_qk, **flush, BLOCK_T=16, FLUSH_BLOCKS=-(-page // 16), PREFETCH_SPLITS=132,
-                              PREFETCH_PAGES=2),
-                         dict(num_warps=warps, **unfused)))
+            jobs.append(decode_qk_write_job(arch, batch, hq, write))
         if gluon_history.available() and (d, group, key_bits, value_bits, page) == (128, 128, 2, 2, 64):
             for key_shifts in (0, 1, 2):  # decode history in Gluon (`gluon_history.takes`), each key-shift mode
                 jobs.append(gluon_history_job(arch, key_shifts, hq, hkv, sink, recent))
