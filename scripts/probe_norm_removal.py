@@ -17,16 +17,17 @@ def main() -> None:
 
     args = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
     shipped = norms._rms_norm
-    for removed in (False, True, False):
-        if removed:
-            def no_norm(norm, x, residual=None):
-                return x if residual is None else (x, x)
-            norms._rms_norm = no_norm
-        else:
-            norms._rms_norm = shipped
-        print(f"== norms removed: {removed}", flush=True)
-        cli(["bench", "decode", *args])
-    norms._rms_norm = shipped
+
+    def no_norm(norm, x, residual=None):
+        return x if residual is None else (x, x)
+
+    try:
+        for removed in (False, True, False):
+            norms._rms_norm = no_norm if removed else shipped
+            print(f"== norms removed: {removed}", flush=True)
+            cli(["bench", "decode", *args])
+    finally:
+        norms._rms_norm = shipped
 
 
 if __name__ == "__main__":
