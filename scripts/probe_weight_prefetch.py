@@ -9,7 +9,8 @@ the ratio stays fair. Runs `bench decode` with the arguments after `--` for each
 
 Variants: `shipped` (no prefetch); `o`: o_proj's weight, the main stream waiting for the prefetch before o_proj;
 `o-late`: the same, joined only after the last layer's attention (nothing waits on it before then);
-`o+mlp-late`: also the first MLP_MB megabytes of each of gate_proj and up_proj, joined late.
+`o+mlp-late`: also the first MLP_MB megabytes of each of gate_proj and up_proj, joined late; `o-at-attention`: o_proj's
+weight, forked just before the attention launch instead of at the start of the module's forward, joined late.
 A probe, not shipped: the side stream is outside the static path's design (one stream, launches overlapped)."""
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def prefetch(tensor: torch.Tensor, nbytes: int | None = None) -> None:
 def main() -> None:
     from oscarkv.cli import main as cli
     from oscarkv.integrations import decode_attention
+    from oscarkv.integrations.paged import AttendingLayer, PagedOscarLayer
 
     argv = sys.argv[1:]
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -59,16 +61,39 @@ def main() -> None:
         decoder_layers.update(enumerate(layers))
         return shipped_modules(model)
 
+    shipped_attends = {cls: cls.__dict__["attend_decode"] for cls in (AttendingLayer, PagedOscarLayer)}
+
+    def fork(module):
+        side = state["side"] = state["side"] or torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            prefetch(module.o_proj.weight)
+        return side
+
+    def attending(cls):
+        def attend_decode(self, *aargs, **akwargs):
+            if state.get("module") is not None:
+                fork(state["module"])
+            return shipped_attends[cls](self, *aargs, **akwargs)
+        return attend_decode
+
     def forward(module, norms, previous, *fargs, **kwargs):
         variant = state["variant"]
         hidden = kwargs.get("hidden_states")
         if variant == "shipped" or hidden is None or not hidden.is_cuda or hidden.shape[1] != 1:
             return shipped_forward(module, norms, previous, *fargs, **kwargs)
-        side = state["side"] = state["side"] or torch.cuda.Stream()
         main_stream = torch.cuda.current_stream()
-        side.wait_stream(main_stream)
+        if variant == "o-at-attention":
+            state["module"] = module
+            try:
+                out = shipped_forward(module, norms, previous, *fargs, **kwargs)
+            finally:
+                state["module"] = None
+            if not decoder_layers or module.layer_idx == len(decoder_layers) - 1:
+                main_stream.wait_stream(state["side"])
+            return out
+        side = fork(module)
         with torch.cuda.stream(side):
-            prefetch(module.o_proj.weight)
             mlp = getattr(decoder_layers.get(module.layer_idx), "mlp", None)
             if variant == "o+mlp-late" and mlp is not None:
                 prefetch(mlp.gate_proj.weight, MLP_MB << 20)
@@ -93,6 +118,8 @@ def main() -> None:
         return out
 
     decode_attention._forward, decode_attention.fused_modules = forward, recording_modules
+    for cls in shipped_attends:
+        cls.attend_decode = attending(cls)
     try:
         for variant in args.variants.split(","):
             state["variant"] = variant
@@ -100,6 +127,8 @@ def main() -> None:
             cli(["bench", "decode", *bench_args])
     finally:
         decode_attention._forward, decode_attention.fused_modules = shipped_forward, shipped_modules
+        for cls, shipped_attend in shipped_attends.items():
+            cls.attend_decode = shipped_attend
 
 
 if __name__ == "__main__":
