@@ -1,0 +1,59 @@
+"""Developer tool (GPU): where a prefill's time goes, BF16 cache against INT2, by kernel (torch profiler).
+Times `bench decode`'s prefill (`benchmarks.decode.prefill_run`, best of three after a warm-up), then profiles one
+more forward of the same prompt per cache and prints the CUDA kernels that take the most time, with the step's
+wall time and its summed kernel time (the rest is the host or gaps between launches):
+
+    PYTHONPATH=src python scripts/profile_prefill.py [--model random:smollm2-135m] [--tokens 4096] [--top 12]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from oscarkv.benchmarks.decode import _patch, prefill_run, release_memory
+from oscarkv.integrations.static_decode import forward_slots, slot_cache_for
+from oscarkv.models import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    model, _ = load_model(args.model, device="cuda", dtype=torch.bfloat16)
+    for name in ("bf16", "int2"):
+        timed = prefill_run(model, name, args.tokens, repeats=3)
+        release_memory()
+        _patch(model, name)
+        cache = slot_cache_for(model, 1, args.tokens + 1)
+        ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
+        slot = cache.open(args.tokens + 1)
+        with torch.inference_mode():
+            forward_slots(model, cache, [slot], ids)  # warm
+        cache.close(slot)
+        slot = cache.open(args.tokens + 1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                forward_slots(model, cache, [slot], ids)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - started) * 1e3
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"== {name}: prefill {timed.ms:.1f} ms (best of 3); profiled forward {wall:.1f} ms wall, "
+              f"{kernel_ms:.1f} ms in kernels, {len(events)} kernel names")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
+            print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:6d}x  {e.key[:110]}")
+        if not events:  # a profiler that files kernels under their operators
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top))
+        del cache
+        release_memory()
+
+
+if __name__ == "__main__":
+    main()
