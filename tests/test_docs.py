@@ -3,6 +3,7 @@ section is gone is a broken promise to a reader, so every relative link must res
 anchor names a heading of that page as GitHub spells it."""
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from pathlib import Path
@@ -21,7 +22,8 @@ def github_anchor(heading: str) -> str:
     return kept.replace(" ", "-")
 
 
-def page_anchors(page: Path) -> set[str]:
+@functools.cache  # a page is linked many times (README → decode.md dozens): read it once
+def page_anchors(page: Path) -> frozenset[str]:
     anchors: set[str] = set()
     seen: dict[str, int] = {}
     in_code = False
@@ -34,7 +36,7 @@ def page_anchors(page: Path) -> set[str]:
             count = seen.get(anchor, 0)
             seen[anchor] = count + 1
             anchors.add(anchor if count == 0 else f"{anchor}-{count}")
-    return anchors
+    return frozenset(anchors)
 
 
 def relative_links(page: Path) -> list[str]:
