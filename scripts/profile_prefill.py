@@ -39,22 +39,10 @@ def main() -> None:
         return
     for name in ("bf16", "int2"):
         timed = prefill_run(model, name, args.tokens, repeats=3)
-        release_memory()
-        _patch(model, name)
-        cache = slot_cache_for(model, 1, args.tokens + 1)
-        ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
-        slot = cache.open(args.tokens + 1)
-        with torch.inference_mode():
-            forward_slots(model, cache, [slot], ids)  # warm
-        cache.close(slot)
-        slot = cache.open(args.tokens + 1)
-        torch.cuda.synchronize()
+        cache, prompt = prompt_runner(model, name, args.tokens, args.tokens)
+        prompt()  # warm
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            started = time.perf_counter()
-            with torch.inference_mode():
-                forward_slots(model, cache, [slot], ids)
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - started) * 1e3
+            wall = prompt()
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
         print(f"== {name}: prefill {timed.ms:.1f} ms (best of 3); profiled forward {wall:.1f} ms wall, "
@@ -67,8 +55,9 @@ def main() -> None:
         release_memory()
 
 
-def host_profile(model, name: str, tokens: int, chunk: int, repeats: int, top: int) -> None:
-    """cProfile of `repeats` prompts of `tokens` tokens, fed `chunk` tokens a forward, after one unprofiled."""
+def prompt_runner(model, name: str, tokens: int, chunk: int):
+    """(the slot cache, prompt()): the model patched with cache `name`; prompt() reads one random prompt of
+    `tokens` tokens into an empty slot, `chunk` tokens a forward, and returns its wall time in ms."""
     release_memory()
     _patch(model, name)
     cache = slot_cache_for(model, 1, tokens + 1)
@@ -85,6 +74,12 @@ def host_profile(model, name: str, tokens: int, chunk: int, repeats: int, top: i
         cache.close(slot)
         return (time.perf_counter() - started) * 1e3
 
+    return cache, prompt
+
+
+def host_profile(model, name: str, tokens: int, chunk: int, repeats: int, top: int) -> None:
+    """cProfile of `repeats` prompts of `tokens` tokens, fed `chunk` tokens a forward, after two unprofiled."""
+    cache, prompt = prompt_runner(model, name, tokens, chunk)
     plain = min(prompt() for _ in range(2))
     profiler = cProfile.Profile()
     profiler.enable()
