@@ -55,6 +55,10 @@ def main() -> None:
     decoder_layers: dict[int, torch.nn.Module] = {}
     state = {"variant": "shipped", "side": None}
 
+    def is_last(module) -> bool:
+        """Whether this attention module is the step's last (where the late variants join the side stream)."""
+        return not decoder_layers or module.layer_idx == len(decoder_layers) - 1
+
     def recording_modules(model):
         layers = getattr(getattr(model, "model", model), "layers", [])
         decoder_layers.clear()
@@ -89,7 +93,7 @@ def main() -> None:
                 out = shipped_forward(module, norms, previous, *fargs, **kwargs)
             finally:
                 state["module"] = None
-            if not decoder_layers or module.layer_idx == len(decoder_layers) - 1:
+            if is_last(module):
                 main_stream.wait_stream(state["side"])
             return out
         side = fork(module)
@@ -113,7 +117,7 @@ def main() -> None:
             finally:
                 module.o_proj = o_proj
         out = shipped_forward(module, norms, previous, *fargs, **kwargs)
-        if not decoder_layers or module.layer_idx == len(decoder_layers) - 1:
+        if is_last(module):
             main_stream.wait_stream(side)
         return out
 
