@@ -1067,7 +1067,7 @@ def test_kernels_compile_for_the_h100():
     assert done.returncode == 0, done.stdout + done.stderr
     from oscarkv.kernels import gluon_history
 
-    configurations = 47 + 3 * gluon_history.available()  # the Gluon decode history kernel, each key-shift mode
+    configurations = 48 + 3 * gluon_history.available()  # the Gluon decode history kernel, each key-shift mode
     assert f"{configurations} kernel configurations compiled for sm_90" in done.stdout
 
 
@@ -1101,11 +1101,13 @@ def test_gluon_history_fits_sixteen_programs_a_multiprocessor(key_shifts):
 
 @pytest.mark.parametrize("head_dim,query_heads,kv_heads,per_head", [(64, 9, 3, False), (64, 9, 3, True),
                                                                     (128, 32, 8, True), (256, 4, 1, False)])
-@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 17)])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 17), (2, 40), (1, 450)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_query_rotation_kernel_matches_reference(head_dim, query_heads, kv_heads, per_head, batch, tokens, dtype):
     """queries [B, Hq, n, D] as transformers hands them (a transposed view) -> q·R_K tokens-major:
-    one rotation, or one per KV head; a block edge of rows (17 = 16 + 1); head_dim 64 to 256."""
+    one rotation, or one per KV head; a block edge of rows (17 = 16 + 1); a long step's larger blocks
+    (`triton_rotate.LONG_STEP_ROWS`: 80 rows = 64 + 16 with 32 heads, a sequence ending inside a block; 450 rows
+    with 9 and 32 heads); head_dim 64 to 256."""
     from oscarkv.kernels.ops import rotate_queries
 
     g = torch.Generator().manual_seed(5)

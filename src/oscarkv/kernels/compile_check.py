@@ -265,6 +265,10 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))
+        jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,  # a prompt chunk's larger blocks
+                     dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=triton_rotate.LONG_STEP_ROWS,
+                          BLOCK_N=min(d, triton_rotate.LONG_BLOCK_COLUMNS), BLOCK_K=32),
+                     dict(num_warps=triton_rotate.LONG_STEP_WARPS)))
         # the query/key launch at batch 1 and at 32 rows: alone (no cache arguments), and with the step's cache write
         # and flush (`ops.decode_query_key_write`; the flush's constexprs as the write launch's)
         for batch in (1, 32):

@@ -6,7 +6,8 @@ cast back, transpose to tokens-major): each program loads BLOCK rows of one quer
 head's rotation in float32 (IEEE products, no TF32), with the contraction in slices of 32, and
 stores them as [B·n, Hq, D] in the queries' dtype. Columns in the grid and slices in the loop
 keep a program small for any D: a first version with whole 128×64 blocks per program made the
-Qwen3-4B decode step 1.4 ms slower, and one with a column loop took 27 µs at D = 256.
+Qwen3-4B decode step 1.4 ms slower, and one with a column loop took 27 µs at D = 256. Steps of
+many rows (prompt chunks) take larger blocks (LONG_STEP_ROWS).
 Reference: `oscarkv.kernels.reference.rotate_queries_reference`.
 """
 
@@ -19,6 +20,17 @@ import triton.language as tl
 from .triton_write import _round_to
 
 BLOCK_ROWS = 16  # the smallest M of a tensor-core dot; a decode step has B rows
+# Steps of many rows (prompt chunks): blocks of 64 rows by up to 128 columns, 8 warps, where that still makes at least
+# LONG_STEP_PROGRAMS programs. Each program then loads a slice of R_K for 64 rows instead of 16 and reads its rows
+# once for all columns. H200, one sequence (scripts/probe_rotate_queries.py --blocks,
+# docs/data/rotate-queries-blocks-h200.txt), 16 by 32 against 64 by 128: Qwen3 shapes (32 query heads, D = 128)
+# 64 rows 5.9 against 9.3 us (32 programs), 128 rows 9.8 against 9.3, 256 17.8 against 9.6, 512 33.7 against 18.0,
+# 2048 127.6 against 67.9; SmolLM2 (9 heads, D = 64) 256 rows 3.1 against 3.9 us (36 programs), 512 4.1 against
+# 4.0, 2048 10.8 against 8.2.
+LONG_STEP_ROWS = 64
+LONG_BLOCK_COLUMNS = 128
+LONG_STEP_WARPS = 8
+LONG_STEP_PROGRAMS = 64
 
 
 @triton.jit
@@ -51,8 +63,10 @@ def launch_rotate_queries(query: torch.Tensor, rotation: torch.Tensor, out: torc
     per_head = rotation.dim() == 3
     group = hq // rotation.shape[0] if per_head else hq
     rows = b * n
-    block_n = min(d, 32)
-    grid = (triton.cdiv(rows, BLOCK_ROWS), hq, d // block_n)
+    long_step = triton.cdiv(rows, LONG_STEP_ROWS) * hq >= LONG_STEP_PROGRAMS
+    block = LONG_STEP_ROWS if long_step else BLOCK_ROWS
+    block_n = min(d, LONG_BLOCK_COLUMNS if long_step else 32)
+    grid = (triton.cdiv(rows, block), hq, d // block_n)
     _rotate_queries_kernel[grid](query, rotation, out, rows, n, query.stride(0), query.stride(1), query.stride(2),
-                                 HQ=hq, GROUP=group, PER_HEAD=per_head, D=d, BLOCK=BLOCK_ROWS,
-                                 BLOCK_N=block_n, BLOCK_K=32, num_warps=4)
+                                 HQ=hq, GROUP=group, PER_HEAD=per_head, D=d, BLOCK=block,
+                                 BLOCK_N=block_n, BLOCK_K=32, num_warps=LONG_STEP_WARPS if long_step else 4)
