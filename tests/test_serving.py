@@ -440,9 +440,46 @@ def test_warm_up_leaves_the_cache_empty_and_results_unchanged():
 
 
 def test_warm_up_chunks_fit_max_context():
-    """Where two chunks and the tail do not fit one request, the warm-up keeps what fits: here one chunk."""
-    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=200)) == [200]
-    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=120)) == [120, 120]
+    """Where two chunks and the tail do not fit one request at prefill_chunk tokens, the warm-up shortens the two
+    chunks to what fits, in multiples of WARM_UP_ALIGN (256 - 17 - 3 slots' decode tokens leave 118 a chunk: 64),
+    so that a prompt's later chunks are still warmed; a chunk that fits stays as it is."""
+    from oscarkv.serving.engine import WARM_UP_ALIGN
+
+    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=200)) == [WARM_UP_ALIGN, WARM_UP_ALIGN,
+                                                                            EXTEND_TAIL_TOKENS]
+    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=120)) == [64, 64, EXTEND_TAIL_TOKENS]
+    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=100)) == [100, 100, EXTEND_TAIL_TOKENS]
+
+
+def test_prefill_chunk_defaults_by_device():
+    """prefill_chunk None: CPU_PREFILL_CHUNK tokens a forward on the CPU (CUDA_PREFILL_CHUNK on CUDA); a given
+    value is kept; zero is refused, naming the setting."""
+    from oscarkv.serving.engine import CPU_PREFILL_CHUNK
+
+    assert _tiny_engine(prefill_chunk=None).prefill_chunk == CPU_PREFILL_CHUNK
+    assert _tiny_engine(prefill_chunk=40).prefill_chunk == 40
+    with pytest.raises(OscarError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=0)
+
+
+def test_prompt_logprobs_chunks_stay_short(monkeypatch):
+    """A request with prompt_logprobs reads at most PROMPT_LOGPROBS_CHUNK tokens a forward (its chunks keep every
+    position's logits), one without reads prefill_chunk."""
+    import oscarkv.serving.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PROMPT_LOGPROBS_CHUNK", 16)
+    engine = _tiny_engine(prefill_chunk=40)
+    lengths = []
+    forward = engine_module.forward_slots
+    monkeypatch.setattr(engine_module, "forward_slots", lambda model, cache, slots, ids, **kw: (
+        lengths.append(ids.shape[1]), forward(model, cache, slots, ids, **kw))[1])
+    engine.submit(_prompt(50, seed=3), SamplingParams(max_tokens=1, prompt_logprobs=0), Collector())
+    _drain(engine)
+    assert lengths == [16, 16, 16, 2]
+    lengths.clear()
+    engine.submit(_prompt(50, seed=4), SamplingParams(max_tokens=1), Collector())
+    _drain(engine)
+    assert lengths == [40, 10]
 
 
 def test_warm_up_reports_progress_up_to_its_total():

@@ -784,7 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request (default: the model's, at most 4096)")
     p.add_argument("--kv-memory", type=float, default=None,
                    help="GiB for the KV cache (default: enough for every slot at --max-context)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill step (default: 2048 on CUDA, 512 on the CPU)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before HTTP 503")
     p.add_argument("--device", default=None)
     p.add_argument("--no-prefix-reuse", action="store_true",

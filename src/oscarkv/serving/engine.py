@@ -4,7 +4,7 @@ One thread owns the model and the cache and runs steps. Each step:
 1. closes the slots of finished and cancelled requests;
 2. admits waiting requests, oldest first, while a slot is free and the cache can promise
    the request's prompt plus max_tokens (so no running request ever meets a full cache);
-3. runs one prefill chunk (at most `prefill_chunk` prompt tokens of the oldest request
+3. runs one prefill chunk (at most `Engine.prefill_chunk` prompt tokens of the oldest request
    still reading its prompt), so a long prompt never stalls the streams already running;
 4. runs one decode step for every request that has read its prompt, as one batch.
 
@@ -89,7 +89,9 @@ class SamplingParams:
 @dataclass(frozen=True)
 class EngineConfig:
     """max_seqs: sequences decoded together; max_context: prompt + output tokens per request;
-    prefill_chunk: prompt tokens per prefill forward; max_waiting: queued requests before
+    prefill_chunk: prompt tokens per prefill forward (None: CUDA_PREFILL_CHUNK on CUDA, CPU_PREFILL_CHUNK
+    elsewhere; a request that asks for prompt_logprobs reads at most PROMPT_LOGPROBS_CHUNK); max_waiting: queued
+    requests before
     new ones get HTTP 503; cuda_graphs: on CUDA, replay each decode step from a CUDA graph
     captured per batch size (`DecodeGraphs`); prefix_reuse: keep each finished sequence's cache in its
     slot until the slot or its pages are needed (oldest first), and let a request whose prompt begins with one of
@@ -100,7 +102,7 @@ class EngineConfig:
 
     max_seqs: int = 32
     max_context: int = 4096
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     max_waiting: int = 256
     cuda_graphs: bool = True
     prefix_reuse: bool = True
@@ -108,10 +110,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_context", "prefill_chunk", "max_waiting", "shared_prefix_min"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise OscarError(f"{name}={getattr(self, name)} must be >= 1.")
 
 
+
+# Prompt tokens per prefill forward by default. On a GPU an eager forward of a few hundred tokens costs the host more
+# than the GPU: one H200, random Qwen3-4B, one 8,192-token prompt took 615-988 ms (BF16) and 949-1542 ms (INT2) in
+# chunks of 512 against 231-239 and 344-389 ms in chunks of 2048, and a forward of 2048 tokens took 0.9-1.6x as long
+# as one of 512 (docs/decode.md, "Chunked prompts"), so the other requests' decode steps also wait less in all. On
+# the CPU a forward's time grows with its tokens, and smaller chunks keep the others' steps short.
+CUDA_PREFILL_CHUNK = 2048
+CPU_PREFILL_CHUNK = 512
+# A request with prompt_logprobs keeps the logits of every position of a chunk (chunk x vocabulary floats, 1.2 GB
+# for 2048 tokens of a 152K vocabulary): its chunks stay at most this long.
+PROMPT_LOGPROBS_CHUNK = 512
+# Warm-up chunks: multiples of this (a page edge, and integer arguments divisible by 16 as a real prompt's are).
+WARM_UP_ALIGN = 64
 
 # The short last chunk of a warm-up prompt: more than 16 query rows per KV head at any GQA ratio (the fused
 # kernel's 32-row blocks) and fewer new tokens than `kernels.extend.EXTEND_MIN_TOKENS` (not dequantized).
@@ -231,6 +246,8 @@ class Engine:
         self.crashed: BaseException | None = None
         self.graphs = DecodeGraphs(model, cache, config.max_seqs) \
             if config.cuda_graphs and self.device.type == "cuda" else None
+        self.prefill_chunk = config.prefill_chunk or (
+            CUDA_PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK)  # prompt tokens per forward
 
     # ---- from any thread -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Sequence:
@@ -319,12 +336,17 @@ class Engine:
         slots, so that the kernels compile now rather than stalling the first requests (Triton
         compiles one variant per split count, and the split count changes with the batch). The
         chunks are a prompt's first, a second over it and a short last one (the extend steps of
-        longer prompts: the paged cache's dense-KV kernel and the fused kernel's 32-row blocks),
-        where max_context holds them. Returns False, doing nothing, if the cache cannot hold the
-        throw-away sequences. progress(done, total) is called after each chunk and each batch size."""
+        longer prompts: the paged cache's dense-KV kernel and the fused kernel's 32-row blocks).
+        Where max_context cannot hold them at `prefill_chunk` tokens, the first two are shortened to
+        what fits (a multiple of WARM_UP_ALIGN), and only below WARM_UP_ALIGN tokens is a chunk left out.
+        Returns False, doing nothing, if the cache cannot hold the throw-away sequences.
+        progress(done, total) is called after each chunk and each batch size."""
         m = self.config.max_seqs
         steps = 2 if self.graphs else 1  # with graphs, each batch size also runs (and captures) a static step
-        chunk = self.config.prefill_chunk
+        chunk = self.prefill_chunk
+        if 2 * chunk + EXTEND_TAIL_TOKENS + steps * m > self.config.max_context:
+            fits = (self.config.max_context - EXTEND_TAIL_TOKENS - steps * m) // 2 // WARM_UP_ALIGN * WARM_UP_ALIGN
+            chunk = fits if fits >= WARM_UP_ALIGN else chunk
         chunks = [chunk, chunk, EXTEND_TAIL_TOKENS]
         while sum(chunks) + steps * m > self.config.max_context and len(chunks) > 1:
             chunks.pop()
@@ -501,11 +523,12 @@ class Engine:
             seq.prompt_started = True
             self._start_prompt(seq)
         start = seq.prefilled
-        end = start + self.config.prefill_chunk
+        every_position = seq.params.prompt_logprobs is not None
+        end = start + (min(self.prefill_chunk, PROMPT_LOGPROBS_CHUNK) if every_position else self.prefill_chunk)
         if seq.snapshot_at > start:
             end = min(end, seq.snapshot_at)  # a chunk ends where the shared start does
         chunk = seq.prompt_ids[start:end]
-        if seq.params.prompt_logprobs is None:
+        if not every_position:
             logits = self._forward([seq.slot], [chunk])
         else:  # every position: row r predicts prompt token start + r + 1
             every = forward_slots(self.model, self.cache, [seq.slot], to_device([chunk], torch.long, self.device),
