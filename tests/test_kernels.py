@@ -1109,9 +1109,9 @@ def test_query_rotation_kernel_matches_reference(head_dim, query_heads, kv_heads
     (`triton_rotate.LONG_STEP_ROWS`: 80 rows = 64 + 16 with 32 heads, a sequence ending inside a block; 450 rows
     with 9 and 32 heads); head_dim 64 to 256."""
     from oscarkv.kernels.ops import rotate_queries
-    from oscarkv.kernels.triton_rotate import LONG_STEP_PROGRAMS, LONG_STEP_ROWS
+    from oscarkv.kernels.triton_rotate import takes_long_blocks
 
-    if tokens == 450 and -(-tokens // LONG_STEP_ROWS) * query_heads < LONG_STEP_PROGRAMS:
+    if tokens == 450 and not takes_long_blocks(batch * tokens, query_heads):
         pytest.skip("450 rows test the long-step blocks, which these few heads do not take (16-row blocks: above)")
     g = torch.Generator().manual_seed(5)
     query = torch.randn(batch, tokens, query_heads, head_dim, generator=g).to(dtype).to(DEVICE).transpose(1, 2)

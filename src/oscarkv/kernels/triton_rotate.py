@@ -33,6 +33,11 @@ LONG_STEP_WARPS = 8
 LONG_STEP_PROGRAMS = 64
 
 
+def takes_long_blocks(rows: int, query_heads: int) -> bool:
+    """Whether a step of `rows` query rows and `query_heads` heads takes the long-step blocks."""
+    return triton.cdiv(rows, LONG_STEP_ROWS) * query_heads >= LONG_STEP_PROGRAMS
+
+
 @triton.jit
 def _rotate_queries_kernel(q_ptr, r_ptr, out_ptr, rows, n, stride_b, stride_h, stride_n,
                            HQ: tl.constexpr, GROUP: tl.constexpr, PER_HEAD: tl.constexpr, D: tl.constexpr,
@@ -63,7 +68,7 @@ def launch_rotate_queries(query: torch.Tensor, rotation: torch.Tensor, out: torc
     per_head = rotation.dim() == 3
     group = hq // rotation.shape[0] if per_head else hq
     rows = b * n
-    long_step = triton.cdiv(rows, LONG_STEP_ROWS) * hq >= LONG_STEP_PROGRAMS
+    long_step = takes_long_blocks(rows, hq)
     block = LONG_STEP_ROWS if long_step else BLOCK_ROWS
     block_n = min(d, LONG_BLOCK_COLUMNS if long_step else 32)
     grid = (triton.cdiv(rows, block), hq, d // block_n)
