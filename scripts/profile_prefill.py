@@ -132,6 +132,8 @@ TIMED = ("transformers.modeling_layers:GradientCheckpointingLayer.__call__",
          "oscarkv.integrations.paged:attend_step", "oscarkv.kernels.triton_write:launch_write",
          "oscarkv.kernels.triton_write:flush_arguments", "oscarkv.kernels.ops:extend_attention",
          "oscarkv.kernels.extend:stored_kv", "oscarkv.kernels.extend:causal_gqa_attention",
+         "oscarkv.integrations.slots:causal_gqa_attention", "oscarkv.integrations.paged:causal_attention",
+         "oscarkv.integrations.slots:causal_attention", "oscarkv.cache.paged:PagedKVCache.step",
          "triton.runtime.jit:JITFunction.run")
 
 

@@ -265,10 +265,14 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
         jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
                      dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=16, BLOCK_N=min(d, 32), BLOCK_K=32),
                      dict(num_warps=4)))
-        jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,  # a prompt chunk's larger blocks
-                     dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=triton_rotate.LONG_STEP_ROWS,
-                          BLOCK_N=min(d, triton_rotate.LONG_BLOCK_COLUMNS), BLOCK_K=32),
-                     dict(num_warps=triton_rotate.LONG_STEP_WARPS)))
+        # a prompt chunk's larger blocks: R_K's terms in 64-row blocks and, at D >= 128, 128-row blocks
+        plans = {triton_rotate.launch_blocks(rows, hq, d, triton_rotate.PIECE_DTYPES[0])
+                 for rows in (triton_rotate.LONG_STEP_ROWS * -(-triton_rotate.LONG_STEP_PROGRAMS // hq), 4096)}
+        for block, warps, pieces in sorted(plans):
+            jobs.append((triton_rotate._rotate_queries_kernel, ROTATE_TYPES,
+                         dict(HQ=hq, GROUP=hq // hkv, PER_HEAD=True, D=d, BLOCK=block,
+                              BLOCK_N=min(d, triton_rotate.LONG_BLOCK_COLUMNS), BLOCK_K=32, PIECES=pieces),
+                         dict(num_warps=warps)))
         # the query/key launch at batch 1 and at 32 rows: alone (no cache arguments), and with the step's cache write
         # and flush (`ops.decode_query_key_write`; the flush's constexprs as the write launch's)
         for batch in (1, 32):

@@ -7,7 +7,8 @@ head's rotation in float32 (IEEE products, no TF32), with the contraction in sli
 stores them as [B·n, Hq, D] in the queries' dtype. Columns in the grid and slices in the loop
 keep a program small for any D: a first version with whole 128×64 blocks per program made the
 Qwen3-4B decode step 1.4 ms slower, and one with a column loop took 27 µs at D = 256. Steps of
-many rows (prompt chunks) take larger blocks (LONG_STEP_ROWS).
+many rows (prompt chunks) take larger blocks (LONG_STEP_ROWS) and, for bfloat16 and float16 queries, the
+tensor cores (PIECE_DTYPES).
 Reference: `oscarkv.kernels.reference.rotate_queries_reference`.
 """
 
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops import interpreting
 from .triton_write import _round_to
 
 BLOCK_ROWS = 16  # the smallest M of a tensor-core dot; a decode step has B rows
@@ -31,6 +33,18 @@ LONG_STEP_ROWS = 64
 LONG_BLOCK_COLUMNS = 128
 LONG_STEP_WARPS = 8
 LONG_STEP_PROGRAMS = 64
+# Long steps of these query dtypes multiply on the tensor cores: the queries as they are, by R_K split into three
+# terms of their dtype (`_split_piece`), which sum to it to float32 accuracy, accumulated in float32. Their blocks:
+# 128 rows, 8 warps where D >= 128 and that makes at least WIDE_PIECE_PROGRAMS programs (each program then loads
+# its slices of R_K for twice the rows), else 64 rows, 4 warps. H200, one sequence, bfloat16, float32 dots in
+# 64-row blocks against these (scripts/probe_rotate_queries.py --pieces, docs/data/rotate-queries-pieces-h200.txt):
+# Qwen3 shapes 2048 rows 69.1 against 19.4 us, 512 17.9 against 7.2, 256 9.6 against 5.9, 128 9.1 against 5.5;
+# SmolLM2 shapes 2048 rows 8.3 against 4.3, 512 4.0 against 3.1. A rare output differs from the float32 dots' in
+# its last bit (3 in 10,000 in bfloat16, 2 in 1,000 in float16), as the products are summed in another order.
+PIECE_DTYPES = (torch.bfloat16, torch.float16)
+WIDE_PIECE_ROWS = 128
+WIDE_PIECE_PROGRAMS = 128
+PIECE_WARPS = (4, 8)  # 64-row blocks, 128-row blocks
 
 
 def takes_long_blocks(rows: int, query_heads: int) -> bool:
@@ -39,9 +53,17 @@ def takes_long_blocks(rows: int, query_heads: int) -> bool:
 
 
 @triton.jit
+def _split_piece(rest, dtype: tl.constexpr):
+    """(rest rounded to `dtype`, as float32; what is left of rest): one term of R_K's split."""
+    piece = rest.to(dtype).to(tl.float32)
+    return piece, rest - piece
+
+
+@triton.jit
 def _rotate_queries_kernel(q_ptr, r_ptr, out_ptr, rows, n, stride_b, stride_h, stride_n,
                            HQ: tl.constexpr, GROUP: tl.constexpr, PER_HEAD: tl.constexpr, D: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PIECES: tl.constexpr = False, COMPILED: tl.constexpr = True):
     head = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_N  # this program's output columns
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -52,10 +74,26 @@ def _rotate_queries_kernel(q_ptr, r_ptr, out_ptr, rows, n, stride_b, stride_h, s
     columns = tl.arange(0, BLOCK_N)
     inner = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
+    q_dtype = q_ptr.dtype.element_ty
     for k in tl.static_range(0, D, BLOCK_K):  # the contraction in slices: few registers for any D
-        x = tl.load(rows_at + k + inner[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         block = tl.load(rotation + (k + inner[:, None]) * D + j + columns[None, :])
-        acc = tl.dot(x, block, acc, input_precision="ieee")
+        if PIECES:  # tensor cores: the queries as they are, R_K as three terms in their dtype (smallest first)
+            x = tl.load(rows_at + k + inner[None, :], mask=valid[:, None], other=0.0)
+            high, rest = _split_piece(block, q_dtype)
+            middle, rest = _split_piece(rest, q_dtype)
+            low = rest.to(q_dtype)
+            if COMPILED:
+                acc = tl.dot(x, low, acc)
+                acc = tl.dot(x, middle.to(q_dtype), acc)
+                acc = tl.dot(x, high.to(q_dtype), acc)
+            else:  # the CPU interpreter's bfloat16 dot is wrong: the same terms in float32
+                x = x.to(tl.float32)
+                acc = tl.dot(x, low.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(x, middle, acc, input_precision="ieee")
+                acc = tl.dot(x, high, acc, input_precision="ieee")
+        else:
+            x = tl.load(rows_at + k + inner[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = tl.dot(x, block, acc, input_precision="ieee")
     out_dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + r[:, None] * (HQ * D) + head * D + j + columns[None, :],
              _round_to(acc, out_dtype).to(out_dtype), mask=valid[:, None])
@@ -68,10 +106,21 @@ def launch_rotate_queries(query: torch.Tensor, rotation: torch.Tensor, out: torc
     per_head = rotation.dim() == 3
     group = hq // rotation.shape[0] if per_head else hq
     rows = b * n
-    long_step = takes_long_blocks(rows, hq)
-    block = LONG_STEP_ROWS if long_step else BLOCK_ROWS
-    block_n = min(d, LONG_BLOCK_COLUMNS if long_step else 32)
+    block, warps, pieces = launch_blocks(rows, hq, d, query.dtype)
+    block_n = min(d, LONG_BLOCK_COLUMNS if block > BLOCK_ROWS else 32)
     grid = (triton.cdiv(rows, block), hq, d // block_n)
     _rotate_queries_kernel[grid](query, rotation, out, rows, n, query.stride(0), query.stride(1), query.stride(2),
                                  HQ=hq, GROUP=group, PER_HEAD=per_head, D=d, BLOCK=block,
-                                 BLOCK_N=block_n, BLOCK_K=32, num_warps=LONG_STEP_WARPS if long_step else 4)
+                                 BLOCK_N=block_n, BLOCK_K=32, PIECES=pieces, COMPILED=not interpreting(),
+                                 num_warps=warps)
+
+
+def launch_blocks(rows: int, query_heads: int, d: int, dtype: torch.dtype) -> tuple[int, int, bool]:
+    """(rows a program, warps, whether by R_K's terms on the tensor cores) for a step of `rows` query rows."""
+    if not takes_long_blocks(rows, query_heads):
+        return BLOCK_ROWS, 4, False
+    if dtype not in PIECE_DTYPES:
+        return LONG_STEP_ROWS, LONG_STEP_WARPS, False
+    if d >= 128 and triton.cdiv(rows, WIDE_PIECE_ROWS) * query_heads >= WIDE_PIECE_PROGRAMS:
+        return WIDE_PIECE_ROWS, PIECE_WARPS[1], True
+    return LONG_STEP_ROWS, PIECE_WARPS[0], True
