@@ -462,6 +462,41 @@ def test_prefill_chunk_defaults_by_device():
         EngineConfig(prefill_chunk=0)
 
 
+def test_solo_prefill_chunk_defaults():
+    """solo_prefill_chunk None: prefill_chunk on the CPU (SOLO_PREFILL_FACTOR times it on CUDA); a given value is
+    kept, one below prefill_chunk raised to it; zero is refused, naming the setting."""
+    assert _tiny_engine(prefill_chunk=40).solo_prefill_chunk == 40
+    assert _tiny_engine(prefill_chunk=40, solo_prefill_chunk=100).solo_prefill_chunk == 100
+    assert _tiny_engine(prefill_chunk=40, solo_prefill_chunk=8).solo_prefill_chunk == 40
+    with pytest.raises(OscarError, match="solo_prefill_chunk"):
+        EngineConfig(solo_prefill_chunk=0)
+
+
+def test_prompts_read_alone_take_longer_chunks(monkeypatch):
+    """While no request is decoding, a prompt reads solo_prefill_chunk tokens a forward; while one decodes, the
+    next prompt reads prefill_chunk tokens a forward, so that request's steps do not wait longer. The warm-up's
+    first two chunks are of the longer kind (the longest forward)."""
+    import oscarkv.serving.engine as engine_module
+
+    engine = _tiny_engine(prefill_chunk=16, solo_prefill_chunk=48)
+    assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=16, solo_prefill_chunk=48)) == [
+        48, 48, EXTEND_TAIL_TOKENS]
+    chunks = []
+    forward = engine_module.forward_slots
+    monkeypatch.setattr(engine_module, "forward_slots", lambda model, cache, slots, ids, **kw: (
+        chunks.append(ids.shape[1]) if ids.shape[1] > 1 else None, forward(model, cache, slots, ids, **kw))[1])
+    engine.submit(_prompt(100, seed=1), SamplingParams(max_tokens=2), Collector())
+    _drain(engine)
+    assert chunks == [48, 48, 4]
+    chunks.clear()
+    decoding = Collector()
+    engine.submit(_prompt(5, seed=2), SamplingParams(max_tokens=30), decoding)
+    engine.step()  # reads its prompt and draws its first token; it decodes from the next step on
+    engine.submit(_prompt(40, seed=3), SamplingParams(max_tokens=2), Collector())
+    _drain(engine)
+    assert chunks == [5, 16, 16, 8] and decoding.done
+
+
 def test_prompt_logprobs_chunks_stay_short(monkeypatch):
     """A request with prompt_logprobs reads at most PROMPT_LOGPROBS_CHUNK tokens a forward (its chunks keep every
     position's logits), one without reads prefill_chunk."""

@@ -518,7 +518,7 @@ def cmd_serve(args) -> int:
     check_artifact_shapes(artifact, settings)
     config = EngineConfig(max_seqs=args.max_seqs, max_context=args.max_context or min(
         4096, getattr(settings, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
-        max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs, prefix_reuse=not args.no_prefix_reuse)
+        solo_prefill_chunk=args.solo_prefill_chunk, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs, prefix_reuse=not args.no_prefix_reuse)
     check_max_context(config, settings)
     model, tokenizer = load_model(args.model, device=args.device)
     budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
@@ -786,6 +786,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB for the KV cache (default: enough for every slot at --max-context)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill step (default: 2048 on CUDA, 512 on the CPU)")
+    p.add_argument("--solo-prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill step while no request is decoding (default: 4x --prefill-chunk "
+                        "on CUDA, --prefill-chunk on the CPU)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before HTTP 503")
     p.add_argument("--device", default=None)
     p.add_argument("--no-prefix-reuse", action="store_true",

@@ -5,7 +5,8 @@ One thread owns the model and the cache and runs steps. Each step:
 2. admits waiting requests, oldest first, while a slot is free and the cache can promise
    the request's prompt plus max_tokens (so no running request ever meets a full cache);
 3. runs one prefill chunk (at most `Engine.prefill_chunk` prompt tokens of the oldest request
-   still reading its prompt), so a long prompt never stalls the streams already running;
+   still reading its prompt), so a long prompt never stalls the streams already running; while no
+   request is decoding, nothing waits on the chunk, and it may be longer (`Engine.solo_prefill_chunk`);
 4. runs one decode step for every request that has read its prompt, as one batch.
 
 Requests arrive from any thread through `submit`; what happens to them comes back through
@@ -90,8 +91,9 @@ class SamplingParams:
 class EngineConfig:
     """max_seqs: sequences decoded together; max_context: prompt + output tokens per request;
     prefill_chunk: prompt tokens per prefill forward (None: CUDA_PREFILL_CHUNK on CUDA, CPU_PREFILL_CHUNK
-    elsewhere; a request that asks for prompt_logprobs reads at most PROMPT_LOGPROBS_CHUNK); max_waiting: queued
-    requests before
+    elsewhere; a request that asks for prompt_logprobs reads at most PROMPT_LOGPROBS_CHUNK); solo_prefill_chunk:
+    the same while no request is decoding (None: SOLO_PREFILL_FACTOR times prefill_chunk on CUDA, prefill_chunk
+    elsewhere; never fewer than prefill_chunk); max_waiting: queued requests before
     new ones get HTTP 503; cuda_graphs: on CUDA, replay each decode step from a CUDA graph
     captured per batch size (`DecodeGraphs`); prefix_reuse: keep each finished sequence's cache in its
     slot until the slot or its pages are needed (oldest first), and let a request whose prompt begins with one of
@@ -103,13 +105,15 @@ class EngineConfig:
     max_seqs: int = 32
     max_context: int = 4096
     prefill_chunk: int | None = None
+    solo_prefill_chunk: int | None = None
     max_waiting: int = 256
     cuda_graphs: bool = True
     prefix_reuse: bool = True
     shared_prefix_min: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_seqs", "max_context", "prefill_chunk", "max_waiting", "shared_prefix_min"):
+        for name in ("max_seqs", "max_context", "prefill_chunk", "solo_prefill_chunk", "max_waiting",
+                     "shared_prefix_min"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise OscarError(f"{name}={getattr(self, name)} must be >= 1.")
 
@@ -122,6 +126,14 @@ class EngineConfig:
 # the CPU a forward's time grows with its tokens, and smaller chunks keep the others' steps short.
 CUDA_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
+# While no request is decoding, no stream waits on a prefill forward, and on CUDA a prompt reads this many times
+# prefill_chunk tokens a forward (8192 by default): fewer forwards, so less of the host's per-forward cost. One H200,
+# random Qwen3-4B, a prompt alone in `serve`'s engine, first token after 235 -> 190 ms (BF16) and 241 -> 187 ms (INT2)
+# at 8,192 tokens, 581 -> 526 and 598 -> 530 ms at 16,384 (scripts/probe_serve_prefill.py; docs/serving.md, "Prompts
+# read alone"). The forward's memory grows with it: at its peak 620-1292 MiB beyond the memory before the prompt,
+# against 171-299 MiB at 2048 tokens, in those runs. The warm-up runs such a forward, so a GPU without that room
+# fails at start-up, not mid-request.
+SOLO_PREFILL_FACTOR = 4
 # A request with prompt_logprobs keeps the logits of every position of a chunk (chunk x vocabulary floats, 1.2 GB
 # for 2048 tokens of a 152K vocabulary): its chunks stay at most this long.
 PROMPT_LOGPROBS_CHUNK = 512
@@ -248,6 +260,8 @@ class Engine:
             if config.cuda_graphs and self.device.type == "cuda" else None
         self.prefill_chunk = config.prefill_chunk or (
             CUDA_PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK)  # prompt tokens per forward
+        self.solo_prefill_chunk = max(self.prefill_chunk, config.solo_prefill_chunk or (  # ... while none decodes
+            SOLO_PREFILL_FACTOR * self.prefill_chunk if self.device.type == "cuda" else self.prefill_chunk))
 
     # ---- from any thread -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Sequence:
@@ -336,14 +350,15 @@ class Engine:
         slots, so that the kernels compile now rather than stalling the first requests (Triton
         compiles one variant per split count, and the split count changes with the batch). The
         chunks are a prompt's first, a second over it and a short last one (the extend steps of
-        longer prompts: the paged cache's dense-KV kernel and the fused kernel's 32-row blocks).
-        Where max_context cannot hold them at `prefill_chunk` tokens, the first two are shortened to
+        longer prompts: the paged cache's dense-KV kernel and the fused kernel's 32-row blocks), the first two
+        of `solo_prefill_chunk` tokens, the longest forward the engine runs (so its memory is taken now).
+        Where max_context cannot hold them at that length, the first two are shortened to
         what fits (a multiple of WARM_UP_ALIGN), and only below WARM_UP_ALIGN tokens is a chunk left out.
         Returns False, doing nothing, if the cache cannot hold the throw-away sequences.
         progress(done, total) is called after each chunk and each batch size."""
         m = self.config.max_seqs
         steps = 2 if self.graphs else 1  # with graphs, each batch size also runs (and captures) a static step
-        chunk = self.prefill_chunk
+        chunk = self.solo_prefill_chunk
         if 2 * chunk + EXTEND_TAIL_TOKENS + steps * m > self.config.max_context:
             fits = (self.config.max_context - EXTEND_TAIL_TOKENS - steps * m) // 2 // WARM_UP_ALIGN * WARM_UP_ALIGN
             chunk = fits if fits >= WARM_UP_ALIGN else chunk
@@ -399,7 +414,8 @@ class Engine:
         if not prefilling and not decoding:
             return False
         if prefilling:
-            self._guarded([prefilling[0]], self._prefill_chunk)
+            limit = self.prefill_chunk if decoding else self.solo_prefill_chunk
+            self._guarded([prefilling[0]], lambda seqs: self._prefill_chunk(seqs, limit))
         if decoding:
             self._guarded(decoding, self._decode)
         self.counters.steps += 1
@@ -517,14 +533,15 @@ class Engine:
         """Append `ids` (one equal-length row per slot) to `slots`; last-position logits [B, V]."""
         return forward_slots(self.model, self.cache, slots, to_device(ids, torch.long, self.device))
 
-    def _prefill_chunk(self, seqs: list[Sequence]) -> None:
+    def _prefill_chunk(self, seqs: list[Sequence], limit: int) -> None:
+        """Read up to `limit` more prompt tokens of seqs[0] (fewer with prompt_logprobs, or up to a shared start)."""
         seq = seqs[0]
         if not seq.prompt_started:
             seq.prompt_started = True
             self._start_prompt(seq)
         start = seq.prefilled
         every_position = seq.params.prompt_logprobs is not None
-        end = start + (min(self.prefill_chunk, PROMPT_LOGPROBS_CHUNK) if every_position else self.prefill_chunk)
+        end = start + (min(limit, PROMPT_LOGPROBS_CHUNK) if every_position else limit)
         if seq.snapshot_at > start:
             end = min(end, seq.snapshot_at)  # a chunk ends where the shared start does
         chunk = seq.prompt_ids[start:end]
