@@ -49,15 +49,15 @@ def main() -> None:
                 q, k, v, is_causal=True, scale=scale, enable_gqa=True),
             "torch.empty_like(q) (a floor: one allocation)": lambda: torch.empty_like(q),
         }
-        query = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
-        rotation = torch.linalg.qr(torch.randn(d, d, device="cuda"))[0].contiguous()
-        print(f"  {host_us(lambda: rotate_queries(query, rotation)):8.1f} us host  rotate_queries (one Triton launch)")
         want = ways["causal_lower_right bias (shipped)"]()
         print(f"{n} new tokens over {stored} stored, Hq={hq}, Hkv={hkv}, D={d}, float16:")
         for name, call in ways.items():
             out = call()
             same = "" if out.shape != want.shape else f", max difference {(out.float() - want.float()).abs().max().item():.2e}"
             print(f"  {host_us(call):8.1f} us host  {name}{same}")
+        query = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
+        rotation = torch.linalg.qr(torch.randn(d, d, device="cuda"))[0].contiguous()
+        print(f"  {host_us(lambda: rotate_queries(query, rotation)):8.1f} us host  rotate_queries (one Triton launch)")
 
 
 if __name__ == "__main__":
