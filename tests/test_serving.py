@@ -501,6 +501,23 @@ def test_prompts_read_alone_take_longer_chunks(monkeypatch):
     assert chunks == [5, 16, 16, 8] and decoding.done
 
 
+def test_warm_up_out_of_memory_names_the_settings():
+    """A warm-up prompt chunk that does not fit the GPU's memory: one OscarError naming the chunk settings and the
+    KV budget, and the throw-away slots are closed again."""
+    engine = _tiny_engine(max_seqs=2, prefill_chunk=40, solo_prefill_chunk=80)
+
+    def out_of_memory(slots, ids):
+        if len(ids[0]) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return None
+
+    engine._forward = out_of_memory
+    with pytest.raises(OscarError, match=r"forward of 80 tokens ran out of GPU memory.*--solo-prefill-chunk \(now 80\)"
+                                         r".*--prefill-chunk \(now 40\).*--kv-memory"):
+        engine.warm_up()
+    assert engine.cache.usage().slots_used == 0
+
+
 def test_prompt_logprobs_chunks_stay_short(monkeypatch):
     """A request with prompt_logprobs reads at most PROMPT_LOGPROBS_CHUNK tokens a forward (its chunks keep every
     position's logits), one without reads prefill_chunk."""

@@ -354,7 +354,8 @@ class Engine:
         of `solo_prefill_chunk` tokens, the longest forward the engine runs (so its memory is taken now).
         Where max_context cannot hold them at that length, the first two are shortened to
         what fits (a multiple of WARM_UP_ALIGN), and only below WARM_UP_ALIGN tokens is a chunk left out.
-        Returns False, doing nothing, if the cache cannot hold the throw-away sequences.
+        Returns False, doing nothing, if the cache cannot hold the throw-away sequences; raises OscarError, naming
+        the settings to lower, where a prompt chunk does not fit the GPU's memory.
         progress(done, total) is called after each chunk and each batch size."""
         m = self.config.max_seqs
         steps = 2 if self.graphs else 1  # with graphs, each batch size also runs (and captures) a static step
@@ -376,7 +377,13 @@ class Engine:
         told(0, total)
         try:
             for i, n in enumerate(chunks):
-                self._forward(slots[:1], [[0] * n])
+                try:
+                    self._forward(slots[:1], [[0] * n])
+                except torch.OutOfMemoryError:
+                    raise OscarError(
+                        f"the warm-up's prompt forward of {n} tokens ran out of GPU memory beside the KV cache; "
+                        f"pass a smaller --solo-prefill-chunk (now {self.solo_prefill_chunk}) or --prefill-chunk "
+                        f"(now {self.prefill_chunk}), or a smaller --kv-memory.") from None
                 told(i + 1, total)
             for b in range(1, m + 1):
                 self._forward(slots[:b], [[0]] * b)
