@@ -518,7 +518,8 @@ def cmd_serve(args) -> int:
     check_artifact_shapes(artifact, settings)
     config = EngineConfig(max_seqs=args.max_seqs, max_context=args.max_context or min(
         4096, getattr(settings, "max_position_embeddings", 4096)), prefill_chunk=args.prefill_chunk,
-        solo_prefill_chunk=args.solo_prefill_chunk, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs, prefix_reuse=not args.no_prefix_reuse)
+        solo_prefill_chunk=args.solo_prefill_chunk, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
+        prefix_reuse=not args.no_prefix_reuse)
     check_max_context(config, settings)
     model, tokenizer = load_model(args.model, device=args.device)
     budget = None if args.kv_memory is None else int(args.kv_memory * 2**30)
