@@ -1135,6 +1135,23 @@ def test_query_rotation_kernel_matches_reference(head_dim, query_heads, kv_heads
     torch.testing.assert_close(out.double(), exact.reshape(out.shape), rtol=2.0**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("tokens", [17, 450])
+def test_query_rotation_into_another_dtype(tokens):
+    """dtype=float16 for bfloat16 queries (the dequantized extend path's SDPA dtype): the products rounded once,
+    into float16, as the reference rounds them; a short step's blocks and a long step's tensor-core blocks."""
+    from oscarkv.kernels.ops import rotate_queries
+
+    g = torch.Generator().manual_seed(6)
+    query = torch.randn(1, tokens, 32, 128, generator=g).to(torch.bfloat16).to(DEVICE).transpose(1, 2)
+    rotation = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=torch.float64))[0].float().to(DEVICE)
+    out = rotate_queries(query, rotation, backend="triton", dtype=torch.float16)
+    ref = rotate_queries(query, rotation, backend="torch", dtype=torch.float16)
+    assert out.dtype == ref.dtype == torch.float16 and out.shape == (tokens, 32, 128)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2.0**-10, atol=1e-3)
+    assert (out != ref).float().mean() < 0.02
+    assert (ref != rotate_queries(query, rotation, backend="torch").to(torch.float16)).any()  # not via bfloat16
+
+
 def test_query_rotation_without_rotation_and_bad_shapes():
     from oscarkv.kernels.ops import rotate_queries
 

@@ -13,7 +13,7 @@ from oscarkv import CacheConfig
 from oscarkv.cache.mixed import OscarCache
 from oscarkv.errors import OscarError
 from oscarkv.integrations.paged import PagedOscarCache
-from oscarkv.kernels.ops import triton_available
+from oscarkv.kernels.ops import resolve_backend, triton_available
 from test_transformers_cache import _ids, _left_padded, _random_artifact
 from tiny_models import tiny_model
 
@@ -128,12 +128,15 @@ def test_lloyd_max_levels_through_the_paged_model():
 def test_extend_attention_setting_reaches_the_kernels(monkeypatch):
     """`CacheConfig.extend_attention` picks the path of the paged cache's extend steps (a 70-token prompt
     into pages, then a 40-token chunk over it): each path is called with it, and both give the torch
-    reference's logits."""
+    reference's logits. The dequantizing path gets its queries rotated straight into float16 (its SDPA's dtype),
+    the others in the model's dtype."""
     import oscarkv.integrations.paged as paged
+    from oscarkv.kernels.extend import COMPUTE_DTYPE
 
-    seen = []
+    seen, dtypes = [], []
     original = paged.attend_step
-    monkeypatch.setattr(paged, "attend_step", lambda *a, **kw: seen.append(kw["extend"]) or original(*a, **kw))
+    monkeypatch.setattr(paged, "attend_step", lambda *a, **kw: seen.append(kw["extend"]) or dtypes.append(a[2].dtype)
+                        or original(*a, **kw))
     model = _patched("llama")
     ids = _ids(110).to(DEVICE)
     logits = {}
@@ -142,10 +145,13 @@ def test_extend_attention_setting_reaches_the_kernels(monkeypatch):
         state = model.oscar
         cache = PagedOscarCache(state.specs, state.cache, state.kv_heads, state.head_dim, 256, backend=backend)
         seen.clear()
+        dtypes.clear()
         with torch.no_grad():
             model(ids[:, :70], past_key_values=cache)
             logits[path] = model(ids[:, 70:], past_key_values=cache).logits.float()
         assert set(seen) == {path}
+        dequantized = path == "dequantize" and resolve_backend(backend, torch.device(DEVICE)) != "torch"
+        assert set(dtypes) == {COMPUTE_DTYPE if dequantized else next(model.parameters()).dtype}
     for path in ("fused", "dequantize"):
         assert (logits[path] - logits["auto"]).abs().max() < 2e-2
 

@@ -26,8 +26,9 @@ from ..cache.mixed import LayerSpec, left_padding
 from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
 from ..config import CacheConfig
 from ..errors import OscarError
-from ..kernels.ops import (attend_step, decode_query_key, decode_query_key_write, prefetched_splits, rotate_queries,
-                           rotation_pieces, uses_rotation_pieces, write_step)
+from ..kernels.extend import COMPUTE_DTYPE as EXTEND_COMPUTE_DTYPE
+from ..kernels.ops import (attend_step, decode_query_key, decode_query_key_write, dequantizes_extend,
+                           prefetched_splits, rotate_queries, rotation_pieces, uses_rotation_pieces, write_step)
 
 
 def paged_layouts(specs: list[LayerSpec], config: CacheConfig, kv_heads: int, head_dim: int) -> list[PagedLayout]:
@@ -163,12 +164,17 @@ class PagedOscarLayer(AttendingLayer):
         b, hq, n, d = query.shape
         if self.fresh_kv is not None and not (sliding_window and sliding_window < n):
             return causal_attention(query, *self.fresh_kv, scaling, self.owner.step_padding)
-        q = rotate_queries(query, self.k_rotation, backend=self.owner.backend)
+        # Where the step dequantizes the history and runs SDPA in float16, the rotation rounds the queries straight
+        # into float16 (once, not to the queries' dtype first, and with no cast launch), and the output is cast back.
+        dequantizes = dequantizes_extend(self.owner.storage.layers[self.index], self.step, query.device,
+                                         self.owner.backend, self.owner.cache_config.extend_attention)
+        q = rotate_queries(query, self.k_rotation, backend=self.owner.backend,
+                           dtype=EXTEND_COMPUTE_DTYPE if dequantizes else None)
         rows = self.owner.real_rows
         if rows is None:
-            return self._attend_rotated(q, scaling, sliding_window).reshape(b, n, hq, d)
-        out = q.new_zeros(b * n, hq, d)  # padding rows stay zero
-        out[rows] = self._attend_rotated(q[rows], scaling, sliding_window)
+            return self._attend_rotated(q, scaling, sliding_window).reshape(b, n, hq, d).to(query.dtype)
+        out = query.new_zeros(b * n, hq, d)  # padding rows stay zero
+        out[rows] = self._attend_rotated(q[rows], scaling, sliding_window).to(query.dtype)
         return out.reshape(b, n, hq, d)
 
     @property

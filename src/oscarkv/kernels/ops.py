@@ -513,22 +513,25 @@ def _check_rotation(rotation: torch.Tensor | None, query_heads: int, d: int) -> 
         raise OscarError(f"{query_heads} query heads cannot share {rotation.shape[0]} per-KV-head rotations evenly.")
 
 
-def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: str = "auto") -> torch.Tensor:
-    """query [B, Hq, n, D] (after RoPE) -> query·R_K as [B·n, Hq, D] in query.dtype: the q of
-    `attend_step`. rotation: float32 [D, D], [Hkv, D, D] (one per KV head), or None (no rotation).
-    One Triton launch on CUDA instead of a cast, a float32 matmul, a cast back and a transpose."""
+def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: str = "auto",
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """query [B, Hq, n, D] (after RoPE) -> query·R_K as [B·n, Hq, D] in `dtype` (None: query.dtype), rounded once
+    from float32: the q of `attend_step`. rotation: float32 [D, D], [Hkv, D, D] (one per KV head), or None (no
+    rotation). One Triton launch on CUDA instead of a cast, a float32 matmul, a cast back and a transpose."""
     if query.dim() != 4:
         raise OscarError(f"queries must be [batch, heads, tokens, head_dim], got {tuple(query.shape)}.")
     b, hq, n, d = query.shape
     _check_rotation(rotation, hq, d)
+    dtype = dtype or query.dtype
     if rotation is None or resolve_backend(backend, query.device) == "torch" or b * n == 0 \
-            or query.dtype not in WINDOW_DTYPES + (torch.float32,) or d & (d - 1) or d < 16:
-        return reference.rotate_queries_reference(query, rotation)
+            or query.dtype not in WINDOW_DTYPES + (torch.float32,) or dtype not in WINDOW_DTYPES + (torch.float32,) \
+            or d & (d - 1) or d < 16:
+        return reference.rotate_queries_reference(query, rotation, dtype)
     from .triton_rotate import launch_rotate_queries
 
     if query.stride(3) != 1:
         query = query.contiguous()
-    out = torch.empty(b * n, hq, d, dtype=query.dtype, device=query.device)
+    out = torch.empty(b * n, hq, d, dtype=dtype, device=query.device)
     launch_rotate_queries(query, rotation.float().contiguous(), out)
     return out
 
@@ -663,8 +666,7 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
         check_block_table(layer, batch)
     if resolve_backend(backend, q.device) == "torch":
         return reference.attention_reference(layer, batch, q, k_rot, v, scale, window).to(q.dtype)
-    if batch.max_new > 1 and (extend == "dequantize" or
-                              (extend == "auto" and takes_dequantized_extend(layer, batch, q.device))):
+    if dequantizes_extend(layer, batch, q.device, backend, extend):
         result = extend_attention(layer, batch, q, k_rot, v, scale, window)
         return result if out is None else out.copy_(result)
     from .triton_attention import launch_attention
@@ -691,6 +693,15 @@ def attend_step(layer: PagedLayer, batch: StepBatch, q: torch.Tensor, k_rot: tor
                      row_groups=row_groups, window_warps=plan.warps, window_block_n=plan.block_n, maxnreg=registers,
                      combine_d_block=min(COMBINE_CHANNELS, lay.head_dim), block_m=block_m, history=history)
     return out
+
+
+def dequantizes_extend(layer: PagedLayer, batch: StepBatch, device: torch.device, backend: str = "auto",
+                       extend: ExtendPath = "auto") -> bool:
+    """Whether `attend_step` runs this step by `extend.extend_attention` (the history dequantized, then SDPA in
+    `extend.COMPUTE_DTYPE`, the dtype its queries are best rotated into): a step of several new tokens per
+    sequence on the Triton backend, with extend "dequantize", or "auto" and `takes_dequantized_extend`."""
+    return (resolve_backend(backend, device) != "torch" and batch.max_new > 1
+            and (extend == "dequantize" or (extend == "auto" and takes_dequantized_extend(layer, batch, device))))
 
 
 def attend_dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,

@@ -25,12 +25,13 @@ from ..calibration.rotations import rotate_heads
 from ..quant.format import QuantizedTensor, dequantize, quantize
 
 
-def rotate_queries_reference(query: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-    """query [B, Hq, n, D] -> query·R_K (float32 products, rounded to query.dtype) as [B·n, Hq, D],
-    the layout of the attention's queries; rotation None leaves the values as they are."""
+def rotate_queries_reference(query: torch.Tensor, rotation: torch.Tensor | None,
+                             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """query [B, Hq, n, D] -> query·R_K (float32 products, rounded to `dtype`, None: query.dtype) as [B·n, Hq, D],
+    the layout of the attention's queries; rotation None leaves the values as they are (cast to `dtype`)."""
     b, hq, n, d = query.shape
     rotated = query if rotation is None else rotate_heads(query.float(), rotation.float(), head_axis=1)
-    return rotated.to(query.dtype).transpose(1, 2).reshape(b * n, hq, d).contiguous()
+    return rotated.to(dtype or query.dtype).transpose(1, 2).reshape(b * n, hq, d).contiguous()
 
 
 def decode_query_key_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
