@@ -466,6 +466,17 @@ def test_prefill_chunk_defaults_by_device():
         EngineConfig(prefill_chunk=0)
 
 
+def _prompt_chunk_lengths(monkeypatch) -> list[int]:
+    """A list that gets the length of every forward of more than one token the engine runs from now on."""
+    import oscarkv.serving.engine as engine_module
+
+    lengths = []
+    forward = engine_module.forward_slots
+    monkeypatch.setattr(engine_module, "forward_slots", lambda model, cache, slots, ids, **kw: (
+        lengths.append(ids.shape[1]) if ids.shape[1] > 1 else None, forward(model, cache, slots, ids, **kw))[1])
+    return lengths
+
+
 def test_solo_prefill_chunk_defaults():
     """solo_prefill_chunk None: prefill_chunk on the CPU (SOLO_PREFILL_FACTOR times it on CUDA); a given value is
     kept, one below prefill_chunk raised to it; zero is refused, naming the setting."""
@@ -480,15 +491,10 @@ def test_prompts_read_alone_take_longer_chunks(monkeypatch):
     """While no request is decoding, a prompt reads solo_prefill_chunk tokens a forward; while one decodes, the
     next prompt reads prefill_chunk tokens a forward, so that request's steps do not wait longer. The warm-up's
     first two chunks are of the longer kind (the longest forward)."""
-    import oscarkv.serving.engine as engine_module
-
     engine = _tiny_engine(prefill_chunk=16, solo_prefill_chunk=48)
     assert _warm_up_chunks(_tiny_engine(max_seqs=3, prefill_chunk=16, solo_prefill_chunk=48)) == [
         48, 48, EXTEND_TAIL_TOKENS]
-    chunks = []
-    forward = engine_module.forward_slots
-    monkeypatch.setattr(engine_module, "forward_slots", lambda model, cache, slots, ids, **kw: (
-        chunks.append(ids.shape[1]) if ids.shape[1] > 1 else None, forward(model, cache, slots, ids, **kw))[1])
+    chunks = _prompt_chunk_lengths(monkeypatch)
     engine.submit(_prompt(100, seed=1), SamplingParams(max_tokens=2), Collector())
     _drain(engine)
     assert chunks == [48, 48, 4]
@@ -525,10 +531,7 @@ def test_prompt_logprobs_chunks_stay_short(monkeypatch):
 
     monkeypatch.setattr(engine_module, "PROMPT_LOGPROBS_CHUNK", 16)
     engine = _tiny_engine(prefill_chunk=40)
-    lengths = []
-    forward = engine_module.forward_slots
-    monkeypatch.setattr(engine_module, "forward_slots", lambda model, cache, slots, ids, **kw: (
-        lengths.append(ids.shape[1]), forward(model, cache, slots, ids, **kw))[1])
+    lengths = _prompt_chunk_lengths(monkeypatch)
     engine.submit(_prompt(50, seed=3), SamplingParams(max_tokens=1, prompt_logprobs=0), Collector())
     _drain(engine)
     assert lengths == [16, 16, 16, 2]

@@ -523,9 +523,9 @@ def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: 
     b, hq, n, d = query.shape
     _check_rotation(rotation, hq, d)
     dtype = dtype or query.dtype
+    kernel_dtypes = WINDOW_DTYPES + (torch.float32,)
     if rotation is None or resolve_backend(backend, query.device) == "torch" or b * n == 0 \
-            or query.dtype not in WINDOW_DTYPES + (torch.float32,) or dtype not in WINDOW_DTYPES + (torch.float32,) \
-            or d & (d - 1) or d < 16:
+            or query.dtype not in kernel_dtypes or dtype not in kernel_dtypes or d & (d - 1) or d < 16:
         return reference.rotate_queries_reference(query, rotation, dtype)
     from .triton_rotate import launch_rotate_queries
 
