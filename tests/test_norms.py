@@ -103,3 +103,31 @@ def test_norms_computed_ahead_serve_only_their_input():
 def test_only_known_norm_classes():
     assert all(not is_known_rms_norm(m) for m in tiny_model("gemma3").modules())  # (1 + w) scaling: left alone
     assert any(is_known_rms_norm(m) for m in tiny_model("llama").modules())
+
+
+@pytest.mark.parametrize("asks", [True, False])
+def test_prompts_run_the_norms_where_the_config_asks(asks, monkeypatch):
+    """A prompt through `forward_slots` (engine chunks, generate_static's prefill) runs each known RMSNorm as one
+    kernel launch, the residual adds inside, where the static path compiles its small operations (CUDA; forced
+    here), and none otherwise; the logits equal the eager prompt's within rounding; the forwards come back."""
+    import oscarkv
+    from oscarkv.integrations import static_decode
+    from oscarkv.kernels import triton_norm
+
+    launches = []
+    launch = triton_norm.launch_rms_norm
+    monkeypatch.setattr(triton_norm, "launch_rms_norm",
+                        lambda *a, **kw: (launches.append(kw.get("residual") is not None), launch(*a, **kw)))
+    model = oscarkv.patch(tiny_model("qwen3", dtype=torch.bfloat16, layers=3).to(DEVICE), method="bf16")
+    norms = [m for m in model.modules() if is_known_rms_norm(m)]
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    logits = {}
+    for forced in (False, asks):
+        monkeypatch.setattr(static_decode, "compiles_small_ops", lambda m, forced=forced: forced)
+        cache = static_decode.slot_cache_for(model, 1, 16)
+        with torch.no_grad():
+            logits[forced] = static_decode.forward_slots(model, cache, [cache.open(16)], ids)
+    assert len(launches) == (len(norms) if asks else 0)
+    assert sum(launches) == (2 * 3 if asks else 0)
+    assert not any("forward" in vars(m) for m in model.modules())
+    torch.testing.assert_close(logits[asks], logits[False], atol=0.02 * logits[False].abs().max().item(), rtol=0)

@@ -106,8 +106,9 @@ class CacheConfig:
         ones per layer (`oscarkv.integrations.fused_ops`), and the RMSNorms of Llama, Mistral and
         Qwen models as oscarkv's Triton kernel with the decoder layers' residual adds folded in
         (`oscarkv.integrations.norms`), and the attention's q/k norms, rotary embedding and query
-        rotation in one Triton launch (`oscarkv.integrations.decode_attention`); False runs them
-        as eager PyTorch.
+        rotation in one Triton launch (`oscarkv.integrations.decode_attention`); its prompts (CUDA)
+        run those RMSNorms and residual adds as the Triton kernel too; False runs all of them as
+        eager PyTorch.
     decode_gemv: the static decode path (CUDA) runs a decode step's linear layers as Triton
         products instead of cuBLAS (batch 1: matrix-vector kernels; batch 2 to 32: few-rows
         tensor-core kernels), q/k/v and a gated MLP's gate/up in one launch each

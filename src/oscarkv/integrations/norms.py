@@ -1,4 +1,4 @@
-"""Decode steps: a model's RMSNorms as oscarkv's Triton kernel (`kernels/triton_norm.py`).
+"""Decode steps and prompts: a model's RMSNorms as oscarkv's Triton kernel (`kernels/triton_norm.py`).
 
 `triton_norms(model)` swaps, for the duration of a `with` block, the forward of every RMSNorm of a
 known class (`RMS_NORMS`: the same formula in Llama, Mistral, Qwen2 and Qwen3) for one that runs the
@@ -22,6 +22,12 @@ layer's own forward.
 The static decode path uses all this with `CacheConfig.compile_small_ops` (docs/decode.md). Like
 the compiled norm, it can round a BF16 value differently from eager PyTorch (the order of the sum,
 the rsqrt approximation); the adds round as eager's do.
+
+Prompts (`static_decode.forward_slots`: the engine's prompt chunks, `generate_static`'s prefill, `bench decode
+--prefill`) take the same swaps under the same option, and nothing else of the decode steps' own operations (the
+compiled ones would compile again for each new prompt length). An eager RMSNorm is about seven launches, each
+reading and writing the whole activation in float32; here it is one launch, with the residual add in it
+(docs/decode.md, "Prompts: the norms in one launch").
 """
 
 from __future__ import annotations

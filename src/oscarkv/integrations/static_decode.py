@@ -13,7 +13,8 @@ attention (`attend_dense`) reads lengths from the device too. The BF16 baseline 
 runs through exactly the same path as the INT2 cache: only the cache differs.
 
 `generate_static` is greedy `generate` on top of it: prefill (eager: one forward over the
-prompt), then the static decode. A patched model's `generate` routes to it on CUDA when
+prompt, with the model's RMSNorms as oscarkv's Triton kernel where `compile_small_ops` asks for it), then the
+static decode. A patched model's `generate` routes to it on CUDA when
 the call is plain greedy decoding (`static_generate_arguments` says when); everything else
 goes to transformers' own loop.
 """
@@ -92,13 +93,16 @@ def fast_step_ops(model, enabled: bool = True) -> Iterator[None]:
 def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Tensor,
                   every_position: bool = False) -> torch.Tensor:
     """Append input_ids [B, n] (row i to slots[i]) through the model; last-position logits [B, V] (float32), or
-    with every_position the logits of every position [B, n, V]."""
+    with every_position the logits of every position [B, n, V]. Where the model's CacheConfig compiles the small
+    operations (CUDA), its known RMSNorms and residual adds run as the Triton norm kernel (`triton_norms`); the rest of
+    the forward is eager."""
     n = input_ids.shape[1]
     starts = to_device([cache.length(s) for s in slots], torch.long, input_ids.device)
     positions = starts[:, None] + torch.arange(n, device=input_ids.device)[None]
     cache.set_batch(slots)
-    out = model(input_ids=input_ids, position_ids=positions, **{cache_keyword(model): cache}, use_cache=True,
-                logits_to_keep=0 if every_position else 1)
+    with triton_norms(model, compiles_small_ops(model)):  # prompts too: see `norms`, "Prompts"
+        out = model(input_ids=input_ids, position_ids=positions, **{cache_keyword(model): cache}, use_cache=True,
+                    logits_to_keep=0 if every_position else 1)
     cache.advance(n)
     return out.logits.float() if every_position else out.logits[:, -1].float()
 
