@@ -23,8 +23,9 @@ def _norm(n: int, dtype: torch.dtype, eps: float = 1e-6):
 
 
 # scale 0.003: mean(x²) near eps, so eps counts
+# 33,000 x 128 and 33,000 x 100: a prompt's short rows, several a program (`norm_plan`), the last tile part-full
 @pytest.mark.parametrize("rows,n,scale", [(1, 64, 3.0), (1, 576, 3.0), (1, 2560, 3.0), (32, 128, 3.0), (3, 100, 3.0),
-                                          (4, 64, 0.003)])
+                                          (4, 64, 0.003), (33000, 128, 3.0), (33000, 100, 0.003)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_matches_the_module(rows, n, scale, dtype):
     from oscarkv.kernels.triton_norm import launch_rms_norm
@@ -35,8 +36,9 @@ def test_kernel_matches_the_module(rows, n, scale, dtype):
     launch_rms_norm(x, norm.weight, norm.variance_epsilon, out)
     with torch.no_grad():
         expected = norm(x)
-    # the sum's order and rsqrt's last bit may flip a rounding: one ulp, and exact almost everywhere
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2.0**-7, atol=0)
+    # the sum's order and rsqrt's last bit may flip a rounding: one ulp of the normalized value, which the product
+    # with the weight (rounded again) can make two; exact almost everywhere
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2.0**-6, atol=0)
     assert (out == expected).float().mean() > 0.95
 
 
@@ -76,17 +78,19 @@ def test_float32_layers_keep_their_own_forward():
     assert torch.equal(got, expected)
 
 
-def test_kernel_with_a_residual_adds_as_eager_then_normalizes():
-    from oscarkv.kernels.triton_norm import launch_rms_norm
+@pytest.mark.parametrize("rows", [2, 32770])  # one row a program; several (`norm_plan`)
+def test_kernel_with_a_residual_adds_as_eager_then_normalizes(rows):
+    from oscarkv.kernels.triton_norm import launch_rms_norm, norm_plan
 
+    assert (norm_plan(rows, 256)[0] > 1) == (rows > 2) and norm_plan(rows, 2560)[0] == 1
     norm = _norm(256, torch.bfloat16)
     g = torch.Generator().manual_seed(7)
-    x, r = (torch.randn(2, 256, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    x, r = (torch.randn(rows, 256, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     out, summed = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     launch_rms_norm(x, norm.weight, norm.variance_epsilon, out, residual=r, summed=summed)
     assert torch.equal(summed, r + x)
     with torch.no_grad():
-        torch.testing.assert_close(out.float(), norm(r + x).float(), rtol=2.0**-7, atol=0)
+        torch.testing.assert_close(out.float(), norm(r + x).float(), rtol=2.0**-6, atol=0)  # as above
 
 
 def test_norms_computed_ahead_serve_only_their_input():
@@ -105,11 +109,12 @@ def test_only_known_norm_classes():
     assert any(is_known_rms_norm(m) for m in tiny_model("llama").modules())
 
 
-@pytest.mark.parametrize("asks", [True, False])
-def test_prompts_run_the_norms_where_the_config_asks(asks, monkeypatch):
+@pytest.mark.parametrize("asks,tokens", [(True, 9), (True, 8), (False, 9)])
+def test_prompts_run_the_norms_where_the_config_asks(asks, tokens, monkeypatch):
     """A prompt through `forward_slots` (engine chunks, generate_static's prefill) runs each known RMSNorm as one
     kernel launch, the residual adds inside, where the static path compiles its small operations (CUDA; forced
-    here), and none otherwise; the logits equal the eager prompt's within rounding; the forwards come back."""
+    here) and the forward reads at least PROMPT_NORM_TOKENS tokens (9 here), and none otherwise; the logits equal
+    the eager prompt's within rounding; the forwards come back."""
     import oscarkv
     from oscarkv.integrations import static_decode
     from oscarkv.kernels import triton_norm
@@ -118,16 +123,18 @@ def test_prompts_run_the_norms_where_the_config_asks(asks, monkeypatch):
     launch = triton_norm.launch_rms_norm
     monkeypatch.setattr(triton_norm, "launch_rms_norm",
                         lambda *a, **kw: (launches.append(kw.get("residual") is not None), launch(*a, **kw)))
+    monkeypatch.setattr(static_decode, "PROMPT_NORM_TOKENS", 9)
     model = oscarkv.patch(tiny_model("qwen3", dtype=torch.bfloat16, layers=3).to(DEVICE), method="bf16")
     norms = [m for m in model.modules() if is_known_rms_norm(m)]
-    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     logits = {}
     for forced in (False, asks):
         monkeypatch.setattr(static_decode, "compiles_small_ops", lambda m, forced=forced: forced)
         cache = static_decode.slot_cache_for(model, 1, 16)
         with torch.no_grad():
             logits[forced] = static_decode.forward_slots(model, cache, [cache.open(16)], ids)
-    assert len(launches) == (len(norms) if asks else 0)
-    assert sum(launches) == (2 * 3 if asks else 0)
+    kernel = asks and tokens >= 9
+    assert len(launches) == (len(norms) if kernel else 0)
+    assert sum(launches) == (2 * 3 if kernel else 0)
     assert not any("forward" in vars(m) for m in model.modules())
     torch.testing.assert_close(logits[asks], logits[False], atol=0.02 * logits[False].abs().max().item(), rtol=0)

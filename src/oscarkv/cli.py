@@ -757,8 +757,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=128, help="decode steps timed per run")
     b.add_argument("--eager-small-ops", action="store_true",
                    help="run the norms, MLPs, rotary embedding and residual adds as eager PyTorch in the decode "
-                        "steps (default: compiled by torch.compile, the RMSNorms as a Triton kernel with the "
-                        "residual adds, CacheConfig.compile_small_ops)")
+                        "steps, and the prompts' norms too (default: compiled by torch.compile, the RMSNorms as a "
+                        "Triton kernel with the residual adds, also in prompt forwards of 4096 tokens or more; "
+                        "CacheConfig.compile_small_ops)")
     b.add_argument("--cublas", action="store_true",
                    help="run the decode steps' linear layers through cuBLAS (default: Triton kernels at batch 1 "
                         "to 32, CacheConfig.decode_gemv)")
@@ -799,8 +800,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, run every decode step eagerly instead of replaying a CUDA graph per batch size")
     p.add_argument("--eager-small-ops", action="store_true",
                    help="on CUDA, run the model's norms, MLPs, rotary embedding and residual adds as eager "
-                        "PyTorch in the decode graphs (default: compiled by torch.compile, the RMSNorms as a Triton "
-                        "kernel with the residual adds; with --cublas, eager gives transformers' rounding exactly)")
+                        "PyTorch in the decode graphs, and the prompts' norms too (default: compiled by torch.compile, "
+                        "the RMSNorms as a Triton kernel with the residual adds, also in prompt chunks of 4096 tokens "
+                        "or more; with --cublas, eager gives transformers' rounding exactly)")
     p.add_argument("--cublas", action="store_true",
                    help="on CUDA, run the decode steps' linear layers through cuBLAS (default: Triton kernels "
                         "at batch 1 to 32, CacheConfig.decode_gemv)")

@@ -24,10 +24,12 @@ the compiled norm, it can round a BF16 value differently from eager PyTorch (the
 the rsqrt approximation); the adds round as eager's do.
 
 Prompts (`static_decode.forward_slots`: the engine's prompt chunks, `generate_static`'s prefill, `bench decode
---prefill`) take the same swaps under the same option, and nothing else of the decode steps' own operations (the
-compiled ones would compile again for each new prompt length). An eager RMSNorm is about seven launches, each
-reading and writing the whole activation in float32; here it is one launch, with the residual add in it
-(docs/decode.md, "Prompts: the norms in one launch").
+--prefill`) take the same swaps under the same option, where a forward reads at least
+`static_decode.PROMPT_NORM_TOKENS` tokens, and nothing else of the decode steps' own operations (the compiled ones
+would compile again for each new prompt length). An eager RMSNorm is about seven launches, each reading and writing
+the whole activation in float32; here it is one launch, with the residual add in it. Shorter forwards stay eager: a
+Triton launch costs the host more than an eager norm's launches, and on a slow host that outweighed what the GPU
+saved (docs/decode.md, "Prompts: the norms in one launch").
 """
 
 from __future__ import annotations

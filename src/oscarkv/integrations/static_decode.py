@@ -13,8 +13,8 @@ attention (`attend_dense`) reads lengths from the device too. The BF16 baseline 
 runs through exactly the same path as the INT2 cache: only the cache differs.
 
 `generate_static` is greedy `generate` on top of it: prefill (eager: one forward over the
-prompt, with the model's RMSNorms as oscarkv's Triton kernel where `compile_small_ops` asks for it), then the
-static decode. A patched model's `generate` routes to it on CUDA when
+prompt, with the model's RMSNorms as oscarkv's Triton kernel where `compile_small_ops` asks for it and the prompt
+is long), then the static decode. A patched model's `generate` routes to it on CUDA when
 the call is plain greedy decoding (`static_generate_arguments` says when); everything else
 goes to transformers' own loop.
 """
@@ -41,6 +41,13 @@ from .slots import DenseSlotCache, PagedSlotCache
 from .transformers import cache_keyword
 
 SlotCache = PagedSlotCache | DenseSlotCache
+
+# Forwards of at least this many tokens (batch x length) run the model's RMSNorms as the Triton kernel
+# (`forward_slots`). H200, random Qwen3-4B, whole prompts, eager norms -> Triton norms (docs/decode.md, "Prompts: the
+# norms in one launch"): 8,192 tokens in one forward 1.21-1.22x faster, 32,768 1.12x, with either cache; 8,192 in
+# chunks of 2048 1.12-1.13x faster on one machine and 0.91x (BF16) / 1.00x (INT2) on another, whose slower host
+# paid more for the Triton launches than the GPU saved.
+PROMPT_NORM_TOKENS = 4096
 
 # Settings of a GenerationConfig that change what greedy decoding picks; generate() keeps
 # transformers' loop when any of them differs from the default.
@@ -94,13 +101,13 @@ def forward_slots(model, cache: SlotCache, slots: list[int], input_ids: torch.Te
                   every_position: bool = False) -> torch.Tensor:
     """Append input_ids [B, n] (row i to slots[i]) through the model; last-position logits [B, V] (float32), or
     with every_position the logits of every position [B, n, V]. Where the model's CacheConfig compiles the small
-    operations (CUDA), its known RMSNorms and residual adds run as the Triton norm kernel (`triton_norms`); the rest of
-    the forward is eager."""
+    operations (CUDA) and the forward reads at least PROMPT_NORM_TOKENS tokens, its known RMSNorms and residual adds
+    run as the Triton norm kernel (`triton_norms`, "Prompts"); the rest of the forward is eager."""
     n = input_ids.shape[1]
     starts = to_device([cache.length(s) for s in slots], torch.long, input_ids.device)
     positions = starts[:, None] + torch.arange(n, device=input_ids.device)[None]
     cache.set_batch(slots)
-    with triton_norms(model, compiles_small_ops(model)):  # prompts too: see `norms`, "Prompts"
+    with triton_norms(model, compiles_small_ops(model) and input_ids.numel() >= PROMPT_NORM_TOKENS):
         out = model(input_ids=input_ids, position_ids=positions, **{cache_keyword(model): cache}, use_cache=True,
                     logits_to_keep=0 if every_position else 1)
     cache.advance(n)

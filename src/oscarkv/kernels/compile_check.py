@@ -54,7 +54,8 @@ DENSE_KV_TYPES = dict(
     keys_ptr="*fp16", values_ptr="*fp16", bt_ptr="*i32", slot="i32", stored="i32", limit="i32", history_end="i32",
     new_start="i32", tokens="i32", num_blocks="i32", k_level1="fp32", k_level2="fp32", v_level1="fp32",
     v_level2="fp32", shift_block="i32")
-NORM_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", eps="fp32", r_ptr="*bf16", sum_ptr="*bf16")
+NORM_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", eps="fp32", r_ptr="*bf16", sum_ptr="*bf16",
+                  M="i32")
 
 # (head_dim, group, key bits, value bits, query heads, kv heads, page, sink, recent): Qwen3-like, its
 # INT4 fallback, INT4 keys with INT2 values (sliced and plain paths), SmolLM2, Gemma3, INT4 group D/4,
@@ -292,20 +293,22 @@ def check(arch: int = 90, configs=FULL, verbose: bool = True) -> int:
                 print(f"sm_{arch} {fn.__name__:<24} D={d} G={group} bits={key_bits}/{value_bits} "
                       f"ok ({seconds:.1f} s)", flush=True)
     # batch-1 linear layers (model shapes, not cache configurations): q/k/v in one launch with biases, a
-    # row longer than one load, the gated MLP's first half; the decode steps' RMSNorm
+    # row longer than one load, the gated MLP's first half; the RMSNorm of decode steps and of a prompt's q/k rows
     gemv = dict(BLOCK_N=triton_gemv.BLOCK_N, OVERLAP=arch >= 90)
-    for fn, types, constexprs, label in (
+    tiled_rows, tiled_warps = triton_norm.norm_plan(triton_norm.MANY_ROWS, 128)
+    for fn, types, constexprs, label, warps in (
             (triton_gemv._gemv_kernel, GEMV_TYPES,
              dict(gemv, K=2560, KB=4096, SEGMENTS=3, HAS_BIAS=True, stride0=2560, stride1=2560, stride2=2560),
-             "K=2560"),
+             "K=2560", 4),
             (triton_gemv._gemv_kernel, GEMV_TYPES,
              dict(gemv, K=40000, KB=triton_gemv.CHUNK, SEGMENTS=1, HAS_BIAS=False, stride0=40000, stride1=40000,
-                  stride2=40000), "K=40000"),
+                  stride2=40000), "K=40000", 4),
             (triton_gemv._gemv_silu_mul_kernel, GEMV_SILU_TYPES,
-             dict(gemv, K=2560, KB=4096, stride_g=2560, stride_u=2560), "K=2560"),
+             dict(gemv, K=2560, KB=4096, stride_g=2560, stride_u=2560), "K=2560", 4),
             (triton_norm._rms_norm_kernel, NORM_TYPES, dict(BLOCK=4096, OVERLAP=arch >= 90, RESIDUAL=True),
-             "N=2560, residual")):
-        warps = triton_norm.norm_warps(2560) if fn is triton_norm._rms_norm_kernel else 4
+             "N=2560, residual", triton_norm.norm_warps(2560)),
+            (triton_norm._rms_norm_kernel, NORM_TYPES, dict(BLOCK=128, OVERLAP=arch >= 90, ROWS=tiled_rows),
+             f"N=128, {tiled_rows} rows", tiled_warps)):
         seconds = _compile(fn, types, constexprs, arch, num_warps=warps, num_stages=1)
         count += 1
         if verbose:

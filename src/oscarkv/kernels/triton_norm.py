@@ -22,26 +22,46 @@ from .triton_pdl import gdc_launch_dependents, gdc_wait, programmatic
 from .triton_write import _round_to
 
 NORM_DTYPES = (torch.bfloat16, torch.float16)
+# Steps of at least MANY_ROWS rows of at most SHORT_ROW values (a prompt's q/k heads) take tiles of ROW_TILE values
+# (so several rows) a program, in TILE_WARPS warps (`norm_plan`). H200, bfloat16 rows of 128, one launch
+# (scripts/probe_norm_rows.py, docs/data/prompt-norms-h200-s64.txt): 65,536 rows 42.2 us one row a program, 19.8 us
+# 64 rows in 4 warps; at 16,384 rows one row a program (19.6 us) was as fast as any tile (19.5-28.3 us).
+MANY_ROWS = 32768
+SHORT_ROW = 256
+ROW_TILE = 8192
+TILE_WARPS = 4
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, r_ptr, sum_ptr, BLOCK: tl.constexpr, OVERLAP: tl.constexpr,
-                     RESIDUAL: tl.constexpr = False):
-    """RESIDUAL: first x = round(r + x), stored to sum_ptr (a decoder layer's residual add), then the norm."""
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, r_ptr, sum_ptr, M, BLOCK: tl.constexpr, OVERLAP: tl.constexpr,
+                     RESIDUAL: tl.constexpr = False, ROWS: tl.constexpr = 1):
+    """RESIDUAL: first x = round(r + x), stored to sum_ptr (a decoder layer's residual add), then the norm.
+    ROWS > 1: that many of the M rows a program (a [ROWS, BLOCK] tile), for prompts' many short rows."""
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if OVERLAP:
         gdc_launch_dependents()
         gdc_wait()
-    x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
-    if RESIDUAL:
-        x = _round_to(tl.load(r_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32) + x, dtype)
-        tl.store(sum_ptr + row * N + cols, x.to(dtype), mask=ok)
-    normed = _round_to(x * tl.math.rsqrt(tl.sum(x * x, 0) / N + eps), dtype)
-    tl.store(y_ptr + row * N + cols, _round_to(w * normed, dtype).to(dtype), mask=ok)
+    if ROWS == 1:
+        row = tl.program_id(0).to(tl.int64)
+        x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            x = _round_to(tl.load(r_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32) + x, dtype)
+            tl.store(sum_ptr + row * N + cols, x.to(dtype), mask=ok)
+        normed = _round_to(x * tl.math.rsqrt(tl.sum(x * x, 0) / N + eps), dtype)
+        tl.store(y_ptr + row * N + cols, _round_to(w * normed, dtype).to(dtype), mask=ok)
+    else:
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        at = rows[:, None] * N + cols[None, :]
+        inside = (rows < M)[:, None] & ok[None, :]
+        x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            x = _round_to(tl.load(r_ptr + at, mask=inside, other=0.0).to(tl.float32) + x, dtype)
+            tl.store(sum_ptr + at, x.to(dtype), mask=inside)
+        normed = _round_to(x * tl.math.rsqrt(tl.sum(x * x, 1) / N + eps)[:, None], dtype)
+        tl.store(y_ptr + at, _round_to(w[None, :] * normed, dtype).to(dtype), mask=inside)
 
 
 def norm_warps(n: int) -> int:
@@ -51,12 +71,23 @@ def norm_warps(n: int) -> int:
     return 8 if n >= 1024 else 1
 
 
+def norm_plan(m: int, n: int) -> tuple[int, int]:
+    """(rows a program, warps) for m rows of n values: one row a program (`norm_warps`) unless the rows are many and
+    short (a prompt's q/k norms), which take ROW_TILE values a program."""
+    block = triton.next_power_of_2(n)
+    if m >= MANY_ROWS and block <= SHORT_ROW:
+        return ROW_TILE // block, TILE_WARPS
+    return 1, norm_warps(n)
+
+
 def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, overlap: bool = False,
                     residual: torch.Tensor | None = None, summed: torch.Tensor | None = None) -> None:
     """out = RMSNorm(x) over the last dimension; x and out contiguous, weight [N] of x's dtype. With `residual`
     (x's shape, contiguous): summed = residual + x, and out = RMSNorm(summed)."""
     n = x.shape[-1]
+    m = x.numel() // n
+    rows, warps = norm_plan(m, n)
     extra = (residual, summed) if residual is not None else (x, out)
-    _rms_norm_kernel[(x.numel() // n,)](x, weight, out, n, eps, *extra, BLOCK=triton.next_power_of_2(n),
-                                        OVERLAP=overlap, RESIDUAL=residual is not None,
-                                        num_warps=norm_warps(n), **programmatic(overlap))
+    _rms_norm_kernel[(triton.cdiv(m, rows),)](x, weight, out, n, eps, *extra, m, BLOCK=triton.next_power_of_2(n),
+                                              OVERLAP=overlap, RESIDUAL=residual is not None, ROWS=rows,
+                                              num_warps=warps, **programmatic(overlap))
