@@ -32,7 +32,9 @@ ROW_TILE = 8192
 TILE_WARPS = 4
 
 
-@triton.jit
+# M, the rows of the step, changes from prompt chunk to prompt chunk: not specialised, so that a new length does not
+# compile another variant in the middle of serving (as `triton_dequantize.PER_STEP_INTS`).
+@triton.jit(do_not_specialize=("M",))
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, r_ptr, sum_ptr, M, BLOCK: tl.constexpr, OVERLAP: tl.constexpr,
                      RESIDUAL: tl.constexpr = False, ROWS: tl.constexpr = 1):
     """RESIDUAL: first x = round(r + x), stored to sum_ptr (a decoder layer's residual add), then the norm.
