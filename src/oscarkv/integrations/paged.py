@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..cache.mixed import LayerSpec, left_padding
-from ..cache.paged import PagedKVCache, PagedLayout, StepBatch
+from ..cache.paged import PagedKVCache, PagedLayer, PagedLayout, StepBatch
 from ..config import CacheConfig
 from ..errors import OscarError
 from ..kernels.extend import COMPUTE_DTYPE as EXTEND_COMPUTE_DTYPE
@@ -154,7 +154,7 @@ class PagedOscarLayer(AttendingLayer):
         # validate=False: the step comes from this cache's own PagedKVCache (pages from its allocator, token
         # counts from these shapes), so the block-table checks, which wait for the device, are skipped; the
         # shape, dtype and device checks still run.
-        self.new_keys = write_step(self.owner.storage.layers[self.index], step, k, v, rotation, mean,
+        self.new_keys = write_step(self.pages, step, k, v, rotation, mean,
                                    quant.clip_ratio_k, quant.clip_ratio_v, backend=self.owner.backend,
                                    validate=False, pieces=pieces)
         self.length += n
@@ -166,7 +166,7 @@ class PagedOscarLayer(AttendingLayer):
             return causal_attention(query, *self.fresh_kv, scaling, self.owner.step_padding)
         # Where the step dequantizes the history and runs SDPA in float16, the rotation rounds the queries straight
         # into float16 (once, not to the queries' dtype first, and with no cast launch), and the output is cast back.
-        dequantizes = dequantizes_extend(self.owner.storage.layers[self.index], self.step, query.device,
+        dequantizes = dequantizes_extend(self.pages, self.step, query.device,
                                          self.owner.backend, self.owner.cache_config.extend_attention)
         q = rotate_queries(query, self.k_rotation, backend=self.owner.backend,
                            dtype=EXTEND_COMPUTE_DTYPE if dequantizes else None)
@@ -176,6 +176,12 @@ class PagedOscarLayer(AttendingLayer):
         out = query.new_zeros(b * n, hq, d)  # padding rows stay zero
         out[rows] = self._attend_rotated(q[rows], scaling, sliding_window).to(query.dtype)
         return out.reshape(b, n, hq, d)
+
+    @property
+    def pages(self) -> PagedLayer:
+        """This layer's part of the cache's storage (its pages and windows): what the write and attention kernels
+        take."""
+        return self.owner.storage.layers[self.index]
 
     @property
     def query_rotation(self) -> torch.Tensor | None:
@@ -207,7 +213,7 @@ class PagedOscarLayer(AttendingLayer):
             return query
         v = v if v.is_contiguous() else v.contiguous()  # what `update` stores for the attention
         quant = self.spec.quant
-        layer = self.owner.storage.layers[self.index]
+        layer = self.pages
         splits = prefetched_splits(layer, b, q.shape[1], self.owner.max_context, q.device)
         query, self.new_keys = decode_query_key_write(
             layer, step, q, k, v, cos, sin, self.k_rotation, *norms,
@@ -219,7 +225,7 @@ class PagedOscarLayer(AttendingLayer):
 
     def _attend_rotated(self, q: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """q: [B·n, Hq, D] times R_K -> [B·n, Hq, D], over the cache and the step's own tokens."""
-        return attend_step(self.owner.storage.layers[self.index], self.step, q, self.new_keys, self.new_values,
+        return attend_step(self.pages, self.step, q, self.new_keys, self.new_values,
                            scaling, sliding_window or 0, backend=self.owner.backend,
                            max_context=self.owner.max_context, validate=False,
                            extend=self.owner.cache_config.extend_attention)
