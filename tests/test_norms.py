@@ -42,17 +42,23 @@ def test_kernel_matches_the_module(rows, n, scale, dtype):
     assert (out == expected).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_swapped_norms_and_fallbacks(family, monkeypatch):
-    """A bfloat16 model's norms run the kernel, each once per forward: a layer's residual adds go into the
-    launches of the norm after attention and of the next layer's (or the final) norm. The logits are the
-    model's within rounding; float32 rows go to the forwards that were there; the forwards come back."""
+def _recorded_launches(monkeypatch) -> list[bool]:
+    """The norm kernel's launches from now on, each as whether it took a residual."""
     from oscarkv.kernels import triton_norm
 
     launches = []
     launch = triton_norm.launch_rms_norm
     monkeypatch.setattr(triton_norm, "launch_rms_norm",
                         lambda *a, **kw: (launches.append(kw.get("residual") is not None), launch(*a, **kw)))
+    return launches
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_swapped_norms_and_fallbacks(family, monkeypatch):
+    """A bfloat16 model's norms run the kernel, each once per forward: a layer's residual adds go into the
+    launches of the norm after attention and of the next layer's (or the final) norm. The logits are the
+    model's within rounding; float32 rows go to the forwards that were there; the forwards come back."""
+    launches = _recorded_launches(monkeypatch)
     model = tiny_model(family, dtype=torch.bfloat16, layers=3).to(DEVICE)
     norms = [m for m in model.modules() if is_known_rms_norm(m)]
     ids = torch.randint(0, 128, (1, 3), device=DEVICE)
@@ -117,12 +123,8 @@ def test_prompts_run_the_norms_where_the_config_asks(asks, tokens, monkeypatch):
     the eager prompt's within rounding; the forwards come back."""
     import oscarkv
     from oscarkv.integrations import static_decode
-    from oscarkv.kernels import triton_norm
 
-    launches = []
-    launch = triton_norm.launch_rms_norm
-    monkeypatch.setattr(triton_norm, "launch_rms_norm",
-                        lambda *a, **kw: (launches.append(kw.get("residual") is not None), launch(*a, **kw)))
+    launches = _recorded_launches(monkeypatch)
     monkeypatch.setattr(static_decode, "PROMPT_NORM_TOKENS", 9)
     model = oscarkv.patch(tiny_model("qwen3", dtype=torch.bfloat16, layers=3).to(DEVICE), method="bf16")
     norms = [m for m in model.modules() if is_known_rms_norm(m)]
