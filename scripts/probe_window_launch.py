@@ -1,6 +1,7 @@
 """Developer tool (GPU): where the window launch's time goes in one layer's decode step (`ops.attend_step`, the
 shipped plan): windows launched second and merging the splits (shipped), second with a combine launch, first with a
-combine launch, and no window launch at all (history and combine only: a wrong answer); alternating, best of three
+combine launch, the window programs merging however many splits and window splits the plan has (`forced_merge`:
+launch_attention's merge=True past `merges_in_windows`' limits, e.g. batch 1's 136 splits), and no window launch at all (history and combine only: a wrong answer); alternating, best of three
 CUDA-graph timings, µs, % of the copy bandwidth and the max abs error against the reference. Qwen3 shapes (32 query /
 8 KV heads, D 128).
 
@@ -16,7 +17,7 @@ from probe_window_plans import best_of_rounds, layer_case, step
 SHIPPED_LAUNCH = triton_attention.launch_attention
 SHIPPED_KERNEL = triton_attention._paged_attention_kernel
 VARIANTS = {"merged": {}, "combine": dict(merge=False), "windows_first": dict(merge=False, window_first=True),
-            "no_windows": dict(merge=False)}
+            "forced_merge": dict(merge=True), "no_windows": dict(merge=False)}
 
 
 class _NoWindows:
