@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import OscarError
-from ..quant.format import check_inner
+from ..quant.format import CodeSizes, check_inner
 from ..transfer import to_device
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
@@ -39,7 +39,7 @@ class CacheFullError(OscarError):
 
 
 @dataclass(frozen=True)
-class PagedLayout:
+class PagedLayout(CodeSizes):
     """Shapes of one layer's paged cache. group_size, key_bits and value_bits describe the history codes,
     key_inner and value_inner their levels (Lloyd–Max inner levels of INT2 codes, `quant.format`;
     None: the uniform grid)."""
@@ -78,18 +78,6 @@ class PagedLayout:
     @property
     def ring_capacity(self) -> int:
         return self.recent_tokens + self.page_size
-
-    @property
-    def key_code_bytes(self) -> int:
-        return self.head_dim * self.key_bits // 8
-
-    @property
-    def value_code_bytes(self) -> int:
-        return self.head_dim * self.value_bits // 8
-
-    @property
-    def groups(self) -> int:
-        return self.head_dim // self.group_size
 
     def history_end(self, length: int) -> int:
         """First position after the history for a sequence of `length` tokens."""

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import OscarError
-from ..quant.format import QuantizedTensor, dequantize, quantize
+from ..quant.format import CodeSizes, QuantizedTensor, dequantize, quantize
 
 CELL_ALIGN = 8  # bytes; vLLM views the page in the model dtype, so C must divide into it
 
 
 @dataclass(frozen=True)
-class CellFormat:
+class CellFormat(CodeSizes):
     """Bytes of one (token, KV head) cell: K codes | V codes | K scale, K zero | V scale, V zero.
     key_inner, value_inner: Lloyd–Max inner levels of INT2 codes (`quant.format`); None: uniform."""
 
@@ -48,18 +48,6 @@ class CellFormat:
             object.__setattr__(self, "cell_bytes", aligned(self.used_bytes))
         if self.cell_bytes < self.used_bytes:
             raise OscarError(f"a cell of {self.cell_bytes} bytes cannot hold {self.used_bytes} bytes of codes.")
-
-    @property
-    def key_code_bytes(self) -> int:
-        return self.head_dim * self.key_bits // 8
-
-    @property
-    def value_code_bytes(self) -> int:
-        return self.head_dim * self.value_bits // 8
-
-    @property
-    def groups(self) -> int:
-        return self.head_dim // self.group_size
 
     @property
     def scale_bytes(self) -> int:

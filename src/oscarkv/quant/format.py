@@ -80,6 +80,31 @@ class QuantizedTensor:
 Int2Tensor = QuantizedTensor  # the name of the INT2 case in the public API
 
 
+class CodeSizes:
+    """The sizes that follow from a layout's head_dim, group_size, key_bits and value_bits (fields of the dataclass
+    that takes this in: the paged cache's `PagedLayout`, the vLLM plugin's `CellFormat`)."""
+
+    head_dim: int
+    group_size: int
+    key_bits: int
+    value_bits: int
+
+    @property
+    def key_code_bytes(self) -> int:
+        """Bytes of one token's packed key codes (one KV head)."""
+        return self.head_dim * self.key_bits // 8
+
+    @property
+    def value_code_bytes(self) -> int:
+        """Bytes of one token's packed value codes (one KV head)."""
+        return self.head_dim * self.value_bits // 8
+
+    @property
+    def groups(self) -> int:
+        """Quantization groups (one scale and zero each) per head vector."""
+        return self.head_dim // self.group_size
+
+
 def _check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise OscarError(f"bits={bits} is not supported; use 2 (INT2) or 4 (INT4).")
