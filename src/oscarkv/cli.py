@@ -600,6 +600,26 @@ def version_line() -> str:
     return f"oscarkv {__version__} ({', '.join(installed(name) for name in ('torch', 'transformers', 'triton'))})"
 
 
+def _eval_parser(eval_sub, name: str, help_text: str, methods: str = "bf16,oscar,naive",
+                 methods_help: str = "comma-separated methods, as for `eval ppl`") -> argparse.ArgumentParser:
+    """An `oscarkv eval NAME` parser with what every evaluation takes first: the model, the artifact, the methods."""
+    e = eval_sub.add_parser(name, help=help_text)
+    e.add_argument("model")
+    e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
+    e.add_argument("--methods", default=methods, help=methods_help)
+    return e
+
+
+def _eval_outputs(e: argparse.ArgumentParser, json_help: str, plot_help: str, func) -> None:
+    """What every evaluation takes last: its outputs, the device, the quantization and cache options, the command."""
+    e.add_argument("--json", action="store_true", help=json_help)
+    e.add_argument("--plot", default=None, help=plot_help)
+    e.add_argument("--device", default=None)
+    _add_quant_args(e)
+    _add_cache_args(e)
+    e.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscarkv", description=__doc__)
     parser.add_argument("--version", action="version", version=version_line(),  # metadata only: about 3 ms
@@ -648,56 +668,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="accuracy evaluations")
     eval_sub = p.add_subparsers(dest="eval_command", required=True)
-    e = eval_sub.add_parser("ppl", help="perplexity per method on the same text and positions")
-    e.add_argument("model")
-    e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
     from .methods import DESCRIPTIONS, SERVE_METHODS
 
-    e.add_argument("--methods", default="bf16,oscar,oscar-paper,naive,hadamard",
-                   help="comma-separated: " + "; ".join(f"{name}: {text}" for name, text in DESCRIPTIONS.items()))
+    e = _eval_parser(eval_sub, "ppl", "perplexity per method on the same text and positions",
+                     "bf16,oscar,oscar-paper,naive,hadamard",
+                     "comma-separated: " + "; ".join(f"{name}: {text}" for name, text in DESCRIPTIONS.items()))
     e.add_argument("--max-bits", type=float, default=None,
                    help="re-apply a bit budget to the artifact's per-layer errors (0 = pure INT2)")
     e.add_argument("--text", nargs="+", default=[DEMO_TEXT_EVALUATION])
     e.add_argument("--context", type=int, default=2048)
     e.add_argument("--max-tokens", type=int, default=None, help="stop after scoring about this many tokens")
-    e.add_argument("--json", action="store_true", help="one JSON object per method per line")
-    e.add_argument("--plot", default=None, help="write a PNG bar chart here")
-    e.add_argument("--device", default=None)
-    _add_quant_args(e)
-    _add_cache_args(e)
-    e.set_defaults(func=cmd_eval_ppl)
+    _eval_outputs(e, "one JSON object per method per line", "write a PNG bar chart here", cmd_eval_ppl)
 
-    e = eval_sub.add_parser("niah", help="needle-in-a-haystack retrieval per method (greedy, exact match)")
-    e.add_argument("model")
-    e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
-    e.add_argument("--methods", default="bf16,oscar,naive", help="comma-separated methods, as for `eval ppl`")
+    e = _eval_parser(eval_sub, "niah", "needle-in-a-haystack retrieval per method (greedy, exact match)")
     e.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens")
     e.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, fractions of the haystack")
     e.add_argument("--trials", type=int, default=2, help="needles (and haystack offsets) per length and depth")
     e.add_argument("--text", default=DEMO_TEXT_EVALUATION, help="haystack: a built-in text or a file")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--json", action="store_true", help="one JSON object per case, then one per method and length")
-    e.add_argument("--plot", default=None, help="write a PNG plot here")
-    e.add_argument("--device", default=None)
-    _add_quant_args(e)
-    _add_cache_args(e)
-    e.set_defaults(func=cmd_eval_niah)
+    _eval_outputs(e, "one JSON object per case, then one per method and length", "write a PNG plot here",
+                  cmd_eval_niah)
 
-    e = eval_sub.add_parser("code", help="HumanEval pass@1 per method (greedy completions, unit tests in a subprocess)")
-    e.add_argument("model")
-    e.add_argument("--rotations", default=None, help="artifact from `oscarkv calibrate` (needed for 'oscar')")
-    e.add_argument("--methods", default="bf16,oscar,naive", help="comma-separated methods, as for `eval ppl`")
+    e = _eval_parser(eval_sub, "code", "HumanEval pass@1 per method (greedy completions, unit tests in a subprocess)")
     e.add_argument("--limit", type=int, default=None, help="only the first N of the 164 problems")
     e.add_argument("--max-new-tokens", type=int, default=384)
     e.add_argument("--batch-size", type=int, default=32, help="prompts generated together (left-padded; kivi2: prompts of equal length)")
     e.add_argument("--sink", type=int, default=64, help="BF16 sink window, tokens")
     e.add_argument("--recent", type=int, default=256, help="BF16 recent window, tokens")
-    e.add_argument("--json", action="store_true", help="one JSON object per problem, then one per method")
-    e.add_argument("--plot", default=None, help="write a PNG bar chart here")
-    e.add_argument("--device", default=None)
-    _add_quant_args(e)
-    _add_cache_args(e)
-    e.set_defaults(func=cmd_eval_code)
+    _eval_outputs(e, "one JSON object per problem, then one per method", "write a PNG bar chart here", cmd_eval_code)
 
     p = sub.add_parser("demo", help="calibrate + evaluate the embedded model (a few minutes on a CPU)")
     p.add_argument("--model", default="smollm2-135m")
