@@ -1,9 +1,9 @@
 """Developer tool (GPU): where the window launch's time goes in one layer's decode step (`ops.attend_step`, the
 shipped plan): windows launched second and merging the splits (shipped), second with a combine launch, first with a
 combine launch, the window programs merging however many splits and window splits the plan has (`forced_merge`:
-launch_attention's merge=True past `merges_in_windows`' limits, e.g. batch 1's 136 splits), and no window launch at all (history and combine only: a wrong answer); alternating, best of three
-CUDA-graph timings, µs, % of the copy bandwidth and the max abs error against the reference. Qwen3 shapes (32 query /
-8 KV heads, D 128).
+launch_attention's merge=True past `merges_in_windows`' limits, e.g. batch 1's 136 splits), and no window launch at
+all (history and combine only: a wrong answer); alternating, best of three CUDA-graph timings, µs, % of the copy
+bandwidth and the max abs error against the reference. Qwen3 shapes (32 query / 8 KV heads, D 128).
 
     PYTHONPATH=src:scripts python scripts/probe_window_launch.py 32x32768,64x8192"""
 import sys

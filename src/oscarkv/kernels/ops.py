@@ -24,6 +24,7 @@ from .hardware import register_cap_supported
 
 BACKENDS = ("auto", "triton", "torch")
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
+ROTATED_QUERY_DTYPES = WINDOW_DTYPES + (torch.float32,)  # what `rotate_queries`' kernel reads and stores
 
 
 @functools.cache
@@ -523,9 +524,9 @@ def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, backend: 
     b, hq, n, d = query.shape
     _check_rotation(rotation, hq, d)
     dtype = dtype or query.dtype
-    kernel_dtypes = WINDOW_DTYPES + (torch.float32,)
     if rotation is None or resolve_backend(backend, query.device) == "torch" or b * n == 0 \
-            or query.dtype not in kernel_dtypes or dtype not in kernel_dtypes or d & (d - 1) or d < 16:
+            or query.dtype not in ROTATED_QUERY_DTYPES or dtype not in ROTATED_QUERY_DTYPES or d & (d - 1) \
+            or d < 16:
         return reference.rotate_queries_reference(query, rotation, dtype)
     from .triton_rotate import launch_rotate_queries
 
