@@ -139,16 +139,6 @@ DEFERRED_LOOP_END = """        acc7 = mma_v2(_slice_units(va, vh, 7), wb, acc7)
 """
 
 
-TIMER = """
-@gluon.jit
-def _clock_and_sm():
-    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-    sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    return t, sm
-
-"""
-
-
 def with_timer(body: str) -> str:
     """The kernel body (text) storing each program's start, end, multiprocessor and pages read into timer_ptr
     (`probe_history_timeline`'s records, by linear block index)."""
@@ -187,6 +177,8 @@ def claimed_kernel(static: bool = False, deferred: bool = False, timer: bool = F
     name = "static_history_kernel" if static else "deferred_history_kernel" if deferred else "claimed_history_kernel"
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
     if timer:
+        from probe_history_timeline import TIMER
+
         name += "_timed"
         body = with_timer(body)
     path.write_text(head + (CLAIM_HELPER if deferred else "") + (TIMER if timer else "")
