@@ -9,8 +9,8 @@ here (copies of `gluon_history_kernel.history_kernel`, changed by text, loaded a
 instead claims its pages one at a time from a counter of its pair, three pages ahead of the one it reads, so the
 programs that run fastest read the most pages and every program of a pair ends within a few pages of the others:
 - claimed: each claim a relaxed scalar atomic add (Gluon follows it at once by the shuffle that hands its result to
-  every lane, so the warp waits for its round trip; acquire-release atomics also put a memory barrier and an L1
-  invalidation beside each, 1.4-1.8x slower still);
+  every lane, so the warp waits for its round trip: 1.1-1.6x the shipped kernel's time on the H200; acquire-release
+  atomics also put a memory barrier and an L1 invalidation beside each: 1.4-1.8x);
 - deferred: each claim an atomic increment of lane 0 alone (inline PTX; an add there is aggregated over the warp by
   ptxas, with the same shuffle), whose result stays in that lane until the page id is needed, an iteration later;
 - static: the same loop with the fixed split's pages and no atomics (what the loop's form costs).
