@@ -139,24 +139,10 @@ DEFERRED_LOOP_END = """        acc7 = mma_v2(_slice_units(va, vh, 7), wb, acc7)
 """
 
 
-def with_timer(body: str) -> str:
-    """The kernel body (text) storing each program's start, end, multiprocessor and pages read into timer_ptr
-    (`probe_history_timeline`'s records, by linear block index)."""
-    body = body.replace(", claim_ptr=None):\n", ", claim_ptr=None, timer_ptr=None):\n", 1)
-    start = "    pid = gl.program_id(0)\n    split = gl.program_id(1)\n"
-    end = "    if OVERLAP == 2:\n        _grid_dependency(\"griddepcontrol.wait;\")\n"
-    assert start in body and body.endswith(end)
-    body = body.replace(start, start + "    t_start, sm = _clock_and_sm()\n", 1)
-    record = ("    t_end, _ = _clock_and_sm()\n"
-              "    rec = timer_ptr + (split * gl.num_programs(0) + pid) * 4\n"
-              "    gl.store(rec, t_start)\n    gl.store(rec + 1, t_end)\n"
-              "    gl.store(rec + 2, sm.to(gl.int64))\n    gl.store(rec + 3, i.to(gl.int64))\n")
-    return body[:-len(end)] + record + end
-
-
 def claimed_kernel(static: bool = False, deferred: bool = False, timer: bool = False):
-    """The shipped kernel's source with claimed pages, loaded as a module of its own (Gluon compiles from source);
-    static: the same loop with the fixed split's pages in place of the claims (no atomics)."""
+    """The shipped kernel's source with claimed pages, loaded as a module of its own (Gluon compiles from source):
+    scalar atomic claims ("claimed"), or deferred ones (`CLAIM_HELPER`); static: the same loop with the fixed split's
+    pages in place of the claims (no atomics); timer: with `probe_history_timeline`'s records (pages: those read)."""
     from oscarkv.kernels import gluon_history_kernel
 
     source = inspect.getsource(gluon_history_kernel)
@@ -177,10 +163,10 @@ def claimed_kernel(static: bool = False, deferred: bool = False, timer: bool = F
     name = "static_history_kernel" if static else "deferred_history_kernel" if deferred else "claimed_history_kernel"
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
     if timer:
-        from probe_history_timeline import TIMER
+        from probe_history_timeline import TIMER, with_timer
 
         name += "_timed"
-        body = with_timer(body)
+        body = with_timer(body, "i")
     path.write_text(head + (CLAIM_HELPER if deferred else "") + (TIMER if timer else "")
                     + "@gluon.jit\ndef history_kernel(" + body)
     spec = importlib.util.spec_from_file_location(name, path)
@@ -243,7 +229,7 @@ def main() -> None:
                     gluon_history_kernel.history_kernel = shipped
 
             steps[name] = (fn, out)
-        errors, spread = {}, 0.0
+        errors = {}
         for name, (fn, out) in steps.items():
             fn()
             torch.cuda.synchronize()
@@ -274,6 +260,8 @@ def timeline_main(shapes: str) -> None:
     from oscarkv.benchmarks.attention import decode_case
     from oscarkv.kernels import gluon_history_kernel
     from oscarkv.kernels.ops import attend_step, choose_splits
+
+    from probe_history_timeline import tiers
 
     shipped = gluon_history_kernel.history_kernel
     kernels = {"static": claimed_kernel(static=True, timer=True), "deferred": claimed_kernel(deferred=True, timer=True)}
@@ -306,11 +294,7 @@ def timeline_main(shapes: str) -> None:
             rec = records[used].cpu()
             t0 = rec[:, 0].min()
             end = (rec[:, 1] - t0).double() / 1e3
-            rank = torch.zeros(len(rec), dtype=torch.int64)
-            for sm in range(int(rec[:, 2].max()) + 1):
-                members = torch.nonzero(rec[:, 2] == sm).flatten()
-                rank[members[torch.argsort(linear[members])]] = torch.arange(len(members))
-            tier = rank // 4
+            tier = tiers(rec, linear)
             tiers = range(int(tier.max()) + 1)
             print(f"{spec} {name}: {len(rec)} programs, span {end.max().item():.1f} us, ends min / median "
                   f"{end.min().item():.1f} / {end.median().item():.1f}; pages per program "

@@ -40,12 +40,10 @@ def _clock_and_sm():
 '''
 
 
-def timed_kernel():
-    """The shipped kernel's source with timer stores, loaded as a module of its own (Gluon compiles from source)."""
-    from oscarkv.kernels import gluon_history_kernel
-
-    source = inspect.getsource(gluon_history_kernel)
-    head, _, body = source.partition("@gluon.jit\ndef history_kernel(")
+def with_timer(body: str, pages: str) -> str:
+    """The text of `history_kernel`'s body (after "def history_kernel(") with a timer_ptr argument, into which each
+    program stores its start and end (the GPU's global timer), its multiprocessor and `pages` (an expression of the
+    kernel: the pages it read), at its block's linear index."""
     assert "):\n" in body  # the end of the signature
     body = body.replace("):\n", ", timer_ptr=None):\n", 1)
     start_marker = "    pid = gl.program_id(0)\n    split = gl.program_id(1)\n"
@@ -56,8 +54,27 @@ def timed_kernel():
     record = ("    t_end, _ = _clock_and_sm()\n"
               "    rec = timer_ptr + (split * gl.num_programs(0) + pid) * 4\n"  # the block's linear index
               "    gl.store(rec, t_start)\n    gl.store(rec + 1, t_end)\n"
-              "    gl.store(rec + 2, sm.to(gl.int64))\n    gl.store(rec + 3, gl.maximum(hi - lo, 0).to(gl.int64))\n")
-    body = body[:-len(end_marker)] + record + end_marker
+              f"    gl.store(rec + 2, sm.to(gl.int64))\n    gl.store(rec + 3, ({pages}).to(gl.int64))\n")
+    return body[:-len(end_marker)] + record + end_marker
+
+
+def tiers(rec: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+    """Each program's tier: its rank among its multiprocessor's programs by linear index (rec[:, 2]: the
+    multiprocessor), // 4 (the warp schedulers, whose oldest warp issues first)."""
+    rank = torch.zeros(len(rec), dtype=torch.int64)
+    for sm in range(int(rec[:, 2].max()) + 1):
+        members = torch.nonzero(rec[:, 2] == sm).flatten()
+        rank[members[torch.argsort(linear[members])]] = torch.arange(len(members))
+    return rank // 4
+
+
+def timed_kernel():
+    """The shipped kernel's source with timer stores, loaded as a module of its own (Gluon compiles from source)."""
+    from oscarkv.kernels import gluon_history_kernel
+
+    source = inspect.getsource(gluon_history_kernel)
+    head, _, body = source.partition("@gluon.jit\ndef history_kernel(")
+    body = with_timer(body, "gl.maximum(hi - lo, 0)")
     text = head + TIMER + "@gluon.jit\ndef history_kernel(" + body
     path = Path(tempfile.mkdtemp()) / "timed_history_kernel.py"
     path.write_text(text)
@@ -130,12 +147,7 @@ def run_shape(batch: int, context: int, timed, save: Path | None, forced: int | 
     print(f"  durations min / median / max {dur.min().item() / 1e3:.1f} / {q(dur, .5) / 1e3:.1f} / "
           f"{dur.max().item() / 1e3:.1f} us; resident programs per SM over the span {resident:.2f}; "
           f"first SM empty at {(span - tail) / 1e3:.1f} us (tail {tail / 1e3:.1f} us, {tail / span:.0%})")
-    # tiers: a program's rank among its multiprocessor's by linear index, over the four warp schedulers
-    rank = torch.zeros(programs, dtype=torch.int64)
-    for sm in range(sms):
-        members = torch.nonzero(rec[:, 2] == sm).flatten()
-        rank[members[torch.argsort(linear[members])]] = torch.arange(len(members))
-    tier = rank // 4
+    tier = tiers(rec, linear)
     ends = [end[tier == t] for t in range(int(tier.max()) + 1)]
     print("  by tier (rank on its SM // 4): mean end " + " / ".join(f"{e.mean().item() / 1e3:.1f}" for e in ends)
           + " us, mean pages " + " / ".join(f"{rec[tier == t, 3].double().mean().item():.1f}" for t in range(len(ends))))
