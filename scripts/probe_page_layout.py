@@ -16,7 +16,11 @@ Beside them: the decode step itself (`ops.attend_step`, all its launches) and th
 one contiguous stream by the same kernel shape. Each as CUDA-graph replays, best of three; bandwidth against the
 measured device-to-device copy bandwidth (read + write bytes / time of a 2 GiB copy).
 
-    PYTHONPATH=src python scripts/probe_page_layout.py [--shapes 32x32768,1x131072]
+`--plans` also reads the pools with other program plans, each `SPLITSxWARPSxSTAGESxSTEP` (history splits per
+(sequence, KV head), warps per program, pipeline stages, pages per loop step): which plan could stream a step's
+history at the bandwidth a plain read of the same bytes reaches (`benchmarks.stream_read`).
+
+    PYTHONPATH=src python scripts/probe_page_layout.py [--shapes 32x32768,1x131072] [--plans 264x1x3x1,132x4x4x2]
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ def _read_history(bt_ptr, bt_stride, pages, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_p
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="32x32768,1x131072")
+    parser.add_argument("--plans", default="", help="more plans for the pools' read: SPLITSxWARPSxSTAGESxSTEP,...")
     args = parser.parse_args()
+    plans = [tuple(int(x) for x in plan.split("x")) for plan in args.plans.split(",") if plan]
     device = torch.device("cuda")
     copy = copy_bandwidth_gbs(device)
     print(f"{torch.cuda.get_device_name(device)}, copy bandwidth {copy:.0f} GB/s")
@@ -102,15 +108,16 @@ def main() -> None:
         # one contiguous stream: sequence b's pages are ids b*pages .. b*pages + pages - 1 of a block array
         stream_table = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)
         stream = torch.zeros(batch * pages, heads, BLOCK_WORDS, dtype=torch.int16, device=device)
-        out = torch.empty(batch * heads * history_splits, dtype=torch.float32, device=device)
+        out = torch.empty(batch * heads * max([history_splits] + [plan[0] for plan in plans]), dtype=torch.float32,
+                          device=device)
         nbytes = batch * heads * pages * BLOCK_WORDS * 2
 
-        def reader(table, block_tensor, use_blocks):
+        def reader(table, block_tensor, use_blocks, splits=history_splits, warps=1, stages=3, step=row_groups):
             def run():
-                _read_history[(batch * heads, history_splits)](
+                _read_history[(batch * heads, splits)](
                     table, table.stride(0), pages, *codes16, layer.k_scale, layer.k_zero, layer.v_scale,
-                    layer.v_zero, block_tensor, out, HKV=heads, P=p, W=w, SPLITS=history_splits, STEP=row_groups,
-                    BLOCKS=use_blocks, num_warps=1, num_stages=3)
+                    layer.v_zero, block_tensor, out, HKV=heads, P=p, W=w, SPLITS=splits, STEP=step,
+                    BLOCKS=use_blocks, num_warps=warps, num_stages=stages)
             return run
 
         q, k, v = case.q, case.k_new, case.v_new
@@ -126,6 +133,9 @@ def main() -> None:
                 "read, pools, shuffled": reader(shuffled, blocks, False),
                 "read, blocks, shuffled": reader(shuffled, blocks, True),
                 "read, one contiguous stream": reader(stream_table, stream, True)}
+        for splits_, warps, stages, step_ in plans:
+            runs[f"read, pools: {splits_} splits, {warps} warps, {stages} stages, {step_} pages a step"] = reader(
+                used, blocks, False, splits_, warps, stages, step_)
         print(f"{shape}: {history_splits} history splits x {batch * heads} (sequence, KV head), {pages} pages, "
               f"{row_groups} per loop step; history bytes {nbytes / 1e6:.1f} MB")
         for name, fn in runs.items():

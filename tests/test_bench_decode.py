@@ -181,7 +181,8 @@ def test_bench_attention_table_names_both_sdpa_baselines(monkeypatch, capsys):
     from oscarkv.benchmarks import attention
 
     row = attention.AttentionResult(256, 4000, 366.1, 115.0, 366.1 / 115.0, 1, 1, 1.0, 1175.0, 0.277, 4244.0, 2e-4,
-                                    1e-2, 4, "flash", None, None, 44.6, 44.6 / 115.0, 190.7, 190.7 / 115.0, "gluon")
+                                    1e-2, 4, "flash", None, None, 44.6, 44.6 / 115.0, 190.7, 190.7 / 115.0, "gluon",
+                                    same_bytes_read_us=40.0, same_bytes_read_fraction=0.8, speedup_ceiling=366.1 / 40.0)
     write = attention.WriteResult(32768, 36.0, 9.1e8, 1, 1171.0, 0.28, None, 116.0)
     monkeypatch.setattr(attention, "run", lambda *args: {
         "device": "GPU", "copy_bandwidth_gbs": 4244.0, "layer": {}, "decode": [asdict(row)], "write": asdict(write),
@@ -193,6 +194,9 @@ def test_bench_attention_table_names_both_sdpa_baselines(monkeypatch, capsys):
     values = next(line for line in out if line.split()[:2] == ["256", "4000"]).split()
     assert values[2:7] == ["366.1", "115.0", "3.18x", "190.7", "1.66x"]
     assert header.split()[-1] == "history" and values[-1] == "gluon"  # which decode history kernel ran
+    # the plain read of the same bytes, its share of the copy bandwidth, and the speed-up ceiling it sets
+    assert "read us" in header and "ceiling" in header and values[11:14] == ["40.0", "80.0%", "9.15x"]
+    assert any("ceiling: SDPA us / read us" in line for line in out)
     assert any("SDPA* us: SDPA with its own backend choice" in line for line in out)
 
 

@@ -955,6 +955,14 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
         return (real_copy(nbytes, device, timer), 4.0)[1]
 
     monkeypatch.setattr(attention, "same_bytes_copy_us", recorded_copy)
+    reads = []
+    real_read = attention.stream_read.same_bytes_read_us
+
+    def recorded_read(nbytes, device, timer):  # the real read runs (one plan); its time is set, to check the bounds
+        reads.append(nbytes)
+        return (real_read(nbytes, device, timer, plans=((256, 4, 1),)), 0.5)[1]
+
+    monkeypatch.setattr(attention.stream_read, "same_bytes_read_us", recorded_read)
     monkeypatch.setattr(attention, "SHIFT_BLOCK", 128)  # key shifts that change within these 700 positions
     case = attention.decode_case(2, 700, query_heads=4, kv_heads=1, head_dim=64, group=64, device=DEVICE)
     shifted = attention.with_random_key_shifts(case.layer, 700)
@@ -966,6 +974,9 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
                           timer=lambda fn: (fn(), 1.0)[1], inner=0.38, key_shifts=True)
     assert copies == [result.int2_bytes]  # the copy moves the bytes the kernel reads
     assert result.same_bytes_copy_us == 4.0 and result.int2_fraction_of_same_bytes_copy == 4.0
+    assert reads == [result.int2_bytes]  # the plain read reads the bytes the kernel reads
+    assert result.same_bytes_read_us == 0.5 and result.speedup_ceiling == 2.0  # SDPA 1.0 us over the read's 0.5 us
+    assert result.same_bytes_read_fraction == pytest.approx(result.int2_bytes / 0.5 / 1e3)  # copy bandwidth 1 GB/s
     assert result.max_abs_error <= OUTPUT_TOLERANCE
     assert result.lloyd_us == 1.0 and result.lloyd_max_abs_error <= OUTPUT_TOLERANCE
     assert result.shifts_us == 1.0 and result.shifts_max_abs_error <= OUTPUT_TOLERANCE  # with key shifts
@@ -975,6 +986,27 @@ def test_attention_benchmark_compares_the_same_contents(monkeypatch):
     assert result.history_kernel == "triton"  # head_dim 64 is outside the Gluon kernel's scope (and so is the CPU)
     history = 2 * (700 - 64 - 256) // 64 * 64  # tokens in pages, both sequences
     assert result.int2_bytes > history * 2 * (16 + 4) and result.sdpa_bytes == 2 * 2 * 700 * 64 * 2 + 2 * 2 * 4 * 64 * 2
+
+
+@pytest.mark.parametrize("words,programs,block", [(1, 1, 256), (255, 4, 256), (2049, 3, 512), (4096, 4, 256)])
+def test_stream_read_reads_every_word_once(words, programs, block):
+    """The plain read behind `bench attention`'s ceiling folds every word of its buffer exactly once (a word
+    read twice or skipped changes the XOR), at lengths shorter than, equal to and past one grid stride."""
+    import numpy as np
+
+    from oscarkv.benchmarks.stream_read import xor_read
+
+    data = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device=DEVICE)
+    out = xor_read(data, torch.empty(programs, dtype=torch.int32, device=DEVICE), block, 4)
+    assert np.bitwise_xor.reduce(out.cpu().numpy()) == np.bitwise_xor.reduce(data.cpu().numpy())
+
+
+def test_stream_read_keeps_the_fastest_plan():
+    from oscarkv.benchmarks.stream_read import same_bytes_read_us
+
+    times = iter([3.0, 1.5, 2.0])
+    assert same_bytes_read_us(1000, torch.device(DEVICE), lambda fn: (fn(), next(times))[1],
+                              plans=((256, 4, 1), (512, 4, 1), (256, 4, 2))) == 1.5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch runs on a GPU")

@@ -417,7 +417,8 @@ def cmd_bench_attention(args) -> int:
     print(f"one layer{' of ' + args.model if args.model else ''}: {layer.describe()}")
     lloyd = args.lloyd_inner is not None
     print(f"{'batch':>5} {'context':>8} {'SDPA us':>9} {'INT2 us':>9} {'speedup':>8} {'SDPA* us':>9} {'speedup*':>8} "
-          f"{'INT2 GB/s':>10} {'% copy BW':>9} {'copy us':>8} {'% copy':>7} {'max err':>8} {'history':>7}"
+          f"{'INT2 GB/s':>10} {'% copy BW':>9} {'copy us':>8} {'% copy':>7} {'read us':>8} {'read BW':>7} "
+          f"{'ceiling':>8} {'max err':>8} {'history':>7}"
           + (f" {'Lloyd us':>9} {'cost':>6} {'max err':>8}" if lloyd else "")
           + (f" {'shifts us':>9} {'cost':>6} {'max err':>8}" if args.key_shifts else ""))
     for r in results["decode"]:
@@ -429,7 +430,9 @@ def cmd_bench_attention(args) -> int:
               f"{r['sdpa_any_backend_us']:>9.1f} {r['speedup_over_fastest_sdpa']:>7.2f}x "
               f"{r['int2_bandwidth_gbs']:>10.0f} {100 * r['int2_bandwidth_fraction']:>8.1f}% "
               f"{r['same_bytes_copy_us']:>8.1f} {100 * r['int2_fraction_of_same_bytes_copy']:>6.1f}% "
-              f"{r['max_abs_error']:>8.1e} {r.get('history_kernel') or '-':>7}" + extra)
+              + (f"{r['same_bytes_read_us']:>8.1f} {100 * r['same_bytes_read_fraction']:>6.1f}% "
+                 f"{r['speedup_ceiling']:>7.2f}x " if r.get('same_bytes_read_us') else f"{'-':>8} {'-':>7} {'-':>8} ")
+              + f"{r['max_abs_error']:>8.1e} {r.get('history_kernel') or '-':>7}" + extra)
     w = results["write"]
     print(f"write path: {w['tokens']} tokens in {w['microseconds']:.0f} us = {w['tokens_per_s'] / 1e6:.1f} M tokens/s, "
           f"{w['bandwidth_gbs']:.0f} GB/s ({100 * w['bandwidth_fraction']:.0f}% of copy bandwidth; CUDA graph), "
@@ -441,6 +444,9 @@ def cmd_bench_attention(args) -> int:
     print("% copy BW: INT2 GB/s against the 2 GiB copy; copy us: a copy moving the bytes the kernel reads (half "
           "read, half written), timed the same way; % copy: copy us / INT2 us; history: the kernel of the decode "
           "history launch (gluon: oscarkv.kernels.gluon_history, else triton)")
+    print("read us: the fastest plain read of the bytes the kernel reads (oscarkv.benchmarks.stream_read), the best "
+          "any kernel could do at this shape; read BW: its share of the copy bandwidth, the most '% copy BW' can "
+          "reach; ceiling: SDPA us / read us, the most 'speedup' can reach")
     if lloyd:
         print(f"Lloyd us: the same steps on the same codes read at Lloyd-Max levels (inner {args.lloyd_inner}); "
               "cost = Lloyd us / INT2 us")

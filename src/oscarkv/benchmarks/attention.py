@@ -27,7 +27,7 @@ import torch
 
 from ..cache.paged import PagedKVCache, PagedLayer, PagedLayout, StepBatch
 from ..errors import OscarError
-from . import require_cuda
+from . import require_cuda, stream_read
 from ..kernels import reference
 from ..kernels import gluon_history
 from ..kernels.ops import RotationPieces, attend_step, choose_splits, rotation_pieces, write_step
@@ -100,6 +100,12 @@ class AttentionResult:
     history_kernel: str | None = None  # the decode history launch's kernel: "gluon" (`gluon_history`) or "triton"
     shifts_us: float | None = None  # the same step with key shifts (`key_shifts`), same contents
     shifts_max_abs_error: float | None = None  # that step vs the torch reference with the same shifts
+    # The fastest plain read of int2_bytes we could launch (`stream_read`), timed as the kernels are: the best any
+    # kernel that must read these bytes could do. Its share of the copy bandwidth bounds int2_bandwidth_fraction,
+    # and sdpa_us over it bounds the speed-up over BF16 SDPA (speedup_ceiling).
+    same_bytes_read_us: float | None = None
+    same_bytes_read_fraction: float | None = None  # int2_bytes / same_bytes_read_us, against the copy bandwidth
+    speedup_ceiling: float | None = None  # sdpa_us / same_bytes_read_us
 
 
 @dataclass
@@ -272,6 +278,7 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
     copy_gbs = copy_gbs or copy_bandwidth_gbs(device)
     int2_gbs = int2_bytes / int2_us / 1e3
     copy_us = same_bytes_copy_us(int2_bytes, device, timer)
+    read_us = stream_read.same_bytes_read_us(int2_bytes, device, timer)
 
     def variant(lay: PagedLayer) -> tuple[float, float]:
         """(time, max abs error against the torch reference) of the same step over the layer `lay`."""
@@ -296,7 +303,8 @@ def bench_decode(batch: int, context: int, query_heads: int = 32, kv_heads: int 
                            splits, backend, lloyd_us, lloyd_error, copy_us, copy_us / int2_us, sdpa_any_us,
                            min(sdpa_us, sdpa_any_us) / int2_us,
                            "gluon" if gluon_history.takes(layer, step, query_heads, 0, device) else "triton",
-                           shifts_us, shifts_error)
+                           shifts_us, shifts_error, read_us, int2_bytes / read_us / 1e3 / copy_gbs,
+                           sdpa_us / read_us)
 
 
 def _sdpa_flash(q, k, v):
