@@ -6,7 +6,10 @@ one page a loop step) reaches 71% of the copy bandwidth at 1x128K on the H200, a
 (`scripts/probe_page_layout.py --plans`, docs/data/page-layout-plans-h200-s68.txt). The Gluon history kernel fits 16
 programs a multiprocessor, but its split rule (`ops._gluon_history_splits`) keeps batch 1 at the Triton plan's 8.
 
-    PYTHONPATH=src python scripts/probe_batch1_splits.py [--shapes 1x131072,1x100000] [--splits 198,264] [--rounds 3]
+`--stages` also varies the Gluon kernel's shared-memory slots of staged pages (`gluon_history.STAGES`, shipped 2).
+
+    PYTHONPATH=src python scripts/probe_batch1_splits.py [--shapes 1x131072,1x100000] [--splits 198,264] [--stages 2,3]
+        [--rounds 3]
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ import argparse
 import torch
 
 from oscarkv.benchmarks.attention import _time_us, decode_case
-from oscarkv.kernels import ops, reference
+from oscarkv.kernels import gluon_history, ops, reference
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1x32768,1x65536,1x100000,1x131072")
     parser.add_argument("--splits", default="198,264", help="history splits per KV head to force (besides shipped)")
+    parser.add_argument("--stages", default="2", help="gluon_history.STAGES values to try with every split count")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     device = torch.device("cuda")
-    shipped = ops._decode_plan
-    variants = [None] + [int(s) for s in args.splits.split(",") if s]
+    shipped, shipped_stages = ops._decode_plan, gluon_history.STAGES
+    variants = [(splits, int(stages)) for splits in [None] + [int(s) for s in args.splits.split(",") if s]
+                for stages in args.stages.split(",")]
 
     def forced(splits):
         def plan(layer, programs, max_context, sms, gluon=False):
@@ -43,7 +48,8 @@ def main() -> None:
         expected = reference.attention_reference(layer, step, q, k, v, 128 ** -0.5)
         best, errors, plans = {}, {}, {}
         for _ in range(args.rounds):
-            for splits in variants:
+            for variant in variants:
+                splits, gluon_history.STAGES = variant
                 ops._decode_plan = shipped if splits is None else forced(splits)
                 try:
                     total = ops.choose_splits(layer, batch, 1, q.shape[1], context, device, gluon=True)
@@ -56,16 +62,17 @@ def main() -> None:
                                         workspace=workspace, validate=False)
 
                     run()
-                    errors[splits] = (out.float() - expected).abs().max().item()
-                    plans[splits] = total
+                    errors[variant] = (out.float() - expected).abs().max().item()
+                    plans[variant] = total
                     us = _time_us(run)
-                    best[splits] = min(best.get(splits, us), us)
+                    best[variant] = min(best.get(variant, us), us)
                 finally:
-                    ops._decode_plan = shipped
-        for splits in variants:
-            name = "shipped" if splits is None else f"{splits} history splits"
-            print(f"{shape} {name:<20} {plans[splits]:>4} splits in all  {best[splits]:7.1f} us  "
-                  f"max abs error {errors[splits]:.1e}", flush=True)
+                    ops._decode_plan, gluon_history.STAGES = shipped, shipped_stages
+        for variant in variants:
+            splits, stages = variant
+            name = ("shipped splits" if splits is None else f"{splits} history splits") + f", {stages} stages"
+            print(f"{shape} {name:<30} {plans[variant]:>4} splits in all  {best[variant]:7.1f} us  "
+                  f"max abs error {errors[variant]:.1e}", flush=True)
 
 
 if __name__ == "__main__":
