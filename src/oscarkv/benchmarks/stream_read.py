@@ -1,9 +1,10 @@
 """The fastest plain read of N bytes that we can launch: a ceiling for any kernel that must read them.
 
 `bench attention` reports how far the INT2 decode kernel is from the copy bandwidth of a 2 GiB copy. At the
-sizes of one decode layer (tens of MB) no kernel reaches that bandwidth: a launch, the ramp of the first loads
-and the tail of the last programs weigh more. This module measures how close a kernel that does nothing but
-read those bytes gets, so that every row of the benchmark states the best any kernel could do at that shape:
+sizes of one decode layer (tens of MB) a launch, the ramp of the first loads and the tail of the last programs
+weigh more than in a 2 GiB copy, and a step's bytes may stay in the L2 between back-to-back timings. This module
+measures how fast a kernel that does nothing but read those bytes is, so that every row of the benchmark states
+about the best any kernel could do at that shape:
 
 - the plain read's share of the copy bandwidth bounds the "% of copy bandwidth" a decode kernel can reach;
 - the BF16 baseline's time over the plain read's time bounds the speed-up over BF16 a decode kernel can reach.
