@@ -8,8 +8,8 @@ programs a multiprocessor, but its split rule (`ops._gluon_history_splits`) keep
 
 `--stages` also varies the Gluon kernel's shared-memory slots of staged pages (`gluon_history.STAGES`, shipped 2).
 
-    PYTHONPATH=src python scripts/probe_batch1_splits.py [--shapes 1x131072,1x100000] [--splits 198,264] [--stages 2,3]
-        [--rounds 3]
+    PYTHONPATH=src:scripts python scripts/probe_batch1_splits.py [--shapes 1x131072,1x100000] [--splits 198,264]
+        [--stages 2,3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -18,8 +18,30 @@ import argparse
 
 import torch
 
-from oscarkv.benchmarks.attention import _time_us, decode_case
-from oscarkv.kernels import gluon_history, ops, reference
+from oscarkv.kernels import gluon_history, ops
+from probe_window_plans import best_of_rounds, layer_case, step
+
+
+def planned_step(case, out, batch: int, context: int, splits: int | None, stages: int):
+    """(splits in all, step) of the layer's decode step whose batch-1 plans take `splits` history splits (None:
+    shipped) and whose Gluon history kernel stages `stages` pages; both are in force while the step runs (its CUDA
+    graph captures included)."""
+    shipped, shipped_stages = ops._decode_plan, gluon_history.STAGES
+
+    def plan(layer, programs, max_context, sms, gluon=False):
+        history, windows = shipped(layer, programs, max_context, sms, gluon)
+        return (splits, windows) if splits and programs <= ops.SMALL_BATCH_PROGRAMS else (history, windows)
+
+    def patched(fn):
+        ops._decode_plan, gluon_history.STAGES = plan, stages
+        try:
+            return fn()
+        finally:
+            ops._decode_plan, gluon_history.STAGES = shipped, shipped_stages
+
+    total = patched(lambda: ops.choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=True))
+    run = step(case, out, total)
+    return total, lambda: patched(run)
 
 
 def main() -> None:
@@ -29,50 +51,17 @@ def main() -> None:
     parser.add_argument("--stages", default="2", help="gluon_history.STAGES values to try with every split count")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    shipped, shipped_stages = ops._decode_plan, gluon_history.STAGES
     variants = [(splits, int(stages)) for splits in [None] + [int(s) for s in args.splits.split(",") if s]
                 for stages in args.stages.split(",")]
-
-    def forced(splits):
-        def plan(layer, programs, max_context, sms, gluon=False):
-            history, windows = shipped(layer, programs, max_context, sms, gluon)
-            return (splits, windows) if programs <= ops.SMALL_BATCH_PROGRAMS else (history, windows)
-        return plan
-
-    print(torch.cuda.get_device_name(device))
+    print(torch.cuda.get_device_name())
     for shape in args.shapes.split(","):
         batch, context = (int(x) for x in shape.split("x"))
-        case = decode_case(batch, context)
-        layer, step, q, k, v = case.layer, case.step, case.q, case.k_new, case.v_new
-        expected = reference.attention_reference(layer, step, q, k, v, 128 ** -0.5)
-        best, errors, plans = {}, {}, {}
-        for _ in range(args.rounds):
-            for variant in variants:
-                splits, gluon_history.STAGES = variant
-                ops._decode_plan = shipped if splits is None else forced(splits)
-                try:
-                    total = ops.choose_splits(layer, batch, 1, q.shape[1], context, device, gluon=True)
-                    out = torch.empty_like(q)
-                    workspace = (torch.empty(batch, q.shape[1], total, 128, device=device),
-                                 torch.empty(batch, q.shape[1], total, device=device))
-
-                    def run():
-                        ops.attend_step(layer, step, q, k, v, 128 ** -0.5, num_splits=total, out=out,
-                                        workspace=workspace, validate=False)
-
-                    run()
-                    errors[variant] = (out.float() - expected).abs().max().item()
-                    plans[variant] = total
-                    us = _time_us(run)
-                    best[variant] = min(best.get(variant, us), us)
-                finally:
-                    ops._decode_plan, gluon_history.STAGES = shipped, shipped_stages
-        for variant in variants:
-            splits, stages = variant
+        case, _, _, ref, out = layer_case(shape)
+        planned = [planned_step(case, out, batch, context, splits, stages) for splits, stages in variants]
+        results = best_of_rounds([run for _, run in planned], out, ref, args.rounds)
+        for (splits, stages), (total, _), (us, error) in zip(variants, planned, results):
             name = ("shipped splits" if splits is None else f"{splits} history splits") + f", {stages} stages"
-            print(f"{shape} {name:<30} {plans[variant]:>4} splits in all  {best[variant]:7.1f} us  "
-                  f"max abs error {errors[variant]:.1e}", flush=True)
+            print(f"{shape} {name:<30} {total:>4} splits in all  {us:7.1f} us  max abs error {error:.1e}", flush=True)
 
 
 if __name__ == "__main__":
