@@ -19,6 +19,7 @@ import argparse
 import torch
 
 from oscarkv.kernels import gluon_history, ops
+from probe_history_splits_decode import forced_plan
 from probe_window_plans import best_of_rounds, layer_case, step
 
 
@@ -27,10 +28,7 @@ def planned_step(case, out, batch: int, context: int, splits: int | None, stages
     shipped) and whose Gluon history kernel stages `stages` pages; both are in force while the step runs (its CUDA
     graph captures included)."""
     shipped, shipped_stages = ops._decode_plan, gluon_history.STAGES
-
-    def plan(layer, programs, max_context, sms, gluon=False):
-        history, windows = shipped(layer, programs, max_context, sms, gluon)
-        return (splits, windows) if splits and programs <= ops.SMALL_BATCH_PROGRAMS else (history, windows)
+    plan = shipped if splits is None else forced_plan(shipped, splits, small=True)
 
     def patched(fn):
         ops._decode_plan, gluon_history.STAGES = plan, stages

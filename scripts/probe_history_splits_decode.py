@@ -15,25 +15,27 @@ import sys
 from oscarkv.kernels import ops
 
 
+def forced_plan(shipped, splits: int, small: bool):
+    """`ops._decode_plan` with `splits` history splits for the steps of more than `ops.SMALL_BATCH_PROGRAMS` (sequence,
+    KV head) pairs (small: of at most that many, keeping their shipped window programs); `shipped` for the rest."""
+    def plan(layer, programs, max_context, sms, gluon=False):
+        history, windows = shipped(layer, programs, max_context, sms, gluon)
+        if (programs <= ops.SMALL_BATCH_PROGRAMS) != small:
+            return history, windows
+        if small:
+            return splits, windows
+        one_warp = ops._one_warp_windows(layer, programs, splits, max_context, sms)
+        return splits, (ops.WindowPlan(1, warps=1, block_n=ops.ONE_WARP_WINDOW_BLOCK) if one_warp else windows)
+    return plan
+
+
 def main() -> None:
     forced, rest = sys.argv[1], sys.argv[2:]
     small = rest[:1] == ["--small"]
     rest = rest[1:] if small else rest
     rest = rest[1:] if rest[:1] == ["--"] else rest
     if forced != "shipped":
-        shipped = ops._decode_plan
-        splits = int(forced)
-
-        def plan(layer, programs, max_context, sms, gluon=False):
-            history, windows = shipped(layer, programs, max_context, sms, gluon)
-            if (programs <= ops.SMALL_BATCH_PROGRAMS) != small:
-                return history, windows
-            if small:
-                return splits, windows
-            one_warp = ops._one_warp_windows(layer, programs, splits, max_context, sms)
-            return splits, (ops.WindowPlan(1, warps=1, block_n=ops.ONE_WARP_WINDOW_BLOCK) if one_warp else windows)
-
-        ops._decode_plan = plan
+        ops._decode_plan = forced_plan(ops._decode_plan, int(forced), small)
     from oscarkv.cli import main as cli
 
     sys.exit(cli(["bench", "decode", *rest]))

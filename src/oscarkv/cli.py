@@ -444,8 +444,8 @@ def cmd_bench_attention(args) -> int:
     print("% copy BW: INT2 GB/s against the 2 GiB copy; copy us: a copy moving the bytes the kernel reads (half "
           "read, half written), timed the same way; % copy: copy us / INT2 us; history: the kernel of the decode "
           "history launch (gluon: oscarkv.kernels.gluon_history, else triton)")
-    print("read us: the fastest plain read of the bytes the kernel reads (oscarkv.benchmarks.stream_read), the best "
-          "any kernel could do at this shape; read BW: its share of the copy bandwidth, the most '% copy BW' can "
+    print("read us: the fastest plain read of the bytes the kernel reads (oscarkv.benchmarks.stream_read), about the "
+          "best any kernel could do at this shape; read BW: its share of the copy bandwidth, the most '% copy BW' can "
           "reach; ceiling: SDPA us / read us, the most 'speedup' can reach")
     if lloyd:
         print(f"Lloyd us: the same steps on the same codes read at Lloyd-Max levels (inner {args.lloyd_inner}); "

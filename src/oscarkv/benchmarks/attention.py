@@ -100,8 +100,8 @@ class AttentionResult:
     history_kernel: str | None = None  # the decode history launch's kernel: "gluon" (`gluon_history`) or "triton"
     shifts_us: float | None = None  # the same step with key shifts (`key_shifts`), same contents
     shifts_max_abs_error: float | None = None  # that step vs the torch reference with the same shifts
-    # The fastest plain read of int2_bytes we could launch (`stream_read`), timed as the kernels are: the best any
-    # kernel that must read these bytes could do. Its share of the copy bandwidth bounds int2_bandwidth_fraction,
+    # The fastest plain read of int2_bytes we could launch (`stream_read`), timed as the kernels are: about the best
+    # any kernel that must read these bytes could do. Its share of the copy bandwidth bounds int2_bandwidth_fraction,
     # and sdpa_us over it bounds the speed-up over BF16 SDPA (speedup_ceiling).
     same_bytes_read_us: float | None = None
     same_bytes_read_fraction: float | None = None  # int2_bytes / same_bytes_read_us, against the copy bandwidth
