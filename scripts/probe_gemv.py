@@ -4,7 +4,7 @@ Qwen3-4B decode shapes, over a sweep of block shapes (the sweep that chose `kern
     PYTHONPATH=src python scripts/probe_gemv.py
 
 Each shape repeats one weight, which stays in the 50 MB L2 cache when it is small, so fractions above
-100% of the copy bandwidth appear; in a model every layer reads its own weights (see docs/decode.md
+100% of the copy bandwidth appear; in a model every layer reads its own weights (see docs/decode-log.md
 for the whole-step effect)."""
 import torch
 import torch.nn.functional as F

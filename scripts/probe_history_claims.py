@@ -4,7 +4,7 @@ shipped kernel's fixed splits.
     PYTHONPATH=src:scripts python scripts/probe_history_claims.py 32x32768,1x131072[:SPLITS] [--rounds 3] [--timeline]
 
 The shipped programs of a (sequence, KV head) pair each read a fixed range of its pages, and at 32 x 32K they end
-in four tiers, one per warp a scheduler holds (the oldest warp issues first; docs/kernels.md). In the variants built
+in four tiers, one per warp a scheduler holds (the oldest warp issues first; docs/kernels-log.md). In the variants built
 here (copies of `gluon_history_kernel.history_kernel`, changed by text, loaded as modules of their own) each program
 instead claims its pages one at a time from a counter of its pair, three pages ahead of the one it reads, so the
 programs that run fastest read the most pages and every program of a pair ends within a few pages of the others:

@@ -1,7 +1,7 @@
 """Developer probe (GPU): what one Triton launch costs the host, against its parts.
 
 Prompt chunks run eagerly, and on some hosts the INT2 cache's Triton launches make a chunked prompt slower than the
-GPU's work (docs/decode.md, "Chunked prompts"). This times, on a step so small that the GPU is never the bound:
+GPU's work (docs/decode-log.md, "Chunked prompts"). This times, on a step so small that the GPU is never the bound:
   wrapper  `ops.rotate_queries` (shape checks, output allocation, the launch)
   launch   `_rotate_queries_kernel[grid](...)` alone
   binder   Triton's argument binding and specialization alone (no launch)

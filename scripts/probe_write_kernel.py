@@ -2,7 +2,7 @@
 
 A 32K-token prompt into an empty paged cache (8 KV heads, D = 128, group 128, INT2), as in
 `oscarkv bench attention`'s write row, but launching `_write_kernel` directly so that the block
-size, the warps, the rotation and the clip can be varied. docs/kernels.md quotes its output.
+size, the warps, the rotation and the clip can be varied. docs/kernels-log.md quotes its output.
 
     PYTHONPATH=src python scripts/probe_write_kernel.py
 """

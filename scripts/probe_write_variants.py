@@ -5,7 +5,7 @@ ROT 0 none, 1 tf32x3 dots of (k - μ_K), 2 bfloat16 pieces as four quarter dots,
 as one full-width dot (what ships for bfloat16 keys); CLIP 0 none, 1 each side counted apart,
 2 packed (what ships); DIV 1 a division per code, 0 x·(1/s) (what ships). Timed on the 32K-token
 prompt of probe_write_kernel.py; the "differs" columns compare each variant's output with the
-kernel's float32-rotation path (ROTATE=1). docs/kernels.md quotes the timings
+kernel's float32-rotation path (ROTATE=1). docs/kernels-log.md quotes the timings
 (data/probe-write-variants-h100.txt).
 
     PYTHONPATH=src python scripts/probe_write_variants.py [main|wide]

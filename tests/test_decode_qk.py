@@ -327,7 +327,7 @@ def test_query_and_key_programs_come_first_in_the_compiled_launch(key_shifts):
     """The decode step's query/key launch also holds the flush's quantizer (about 9,000 SASS instructions on sm_90)
     and the prefetch programs. Compiled with the flush first, its everyday query and key programs began after that
     code and took 2.9 µs a layer at 1x100K on the H200, 3.8-4.0 with key shifts; first, 2.5-2.8 (fifty-ninth session,
-    docs/decode.md). Their code (the RMSNorm's reciprocal square root, which the flush does not take) must stay in
+    docs/decode-log.md). Their code (the RMSNorm's reciprocal square root, which the flush does not take) must stay in
     the first tenth of the kernel; before the change it began at 89% of it."""
     import os
     import subprocess

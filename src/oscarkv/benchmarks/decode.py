@@ -8,8 +8,8 @@ step, the same model, the same argmax); only the cache differs:
   method: OSCAR's kernels and bytes with every layer INT2. A calibrated OSCAR artifact adds
   the centering subtraction in the write and, with the default key centering, the per-page score
   term of its key shifts (fifty-eighth session: 0.2-10% of a decode layer on the H200, 1.8-3.5% of a
-  whole Qwen3-4B step, docs/decode.md), and may keep a few layers INT4. `Settings.centered` measures that configuration
-  instead: the `oscar` method with `centered_artifact` (every layer INT2).
+  whole Qwen3-4B step, docs/decode-log.md), and may keep a few layers INT4. `Settings.centered` measures that
+  configuration instead: the `oscar` method with `centered_artifact` (every layer INT2).
 
 Before decoding, each cache is filled to the context length: the INT2 cache through its
 write kernel, the BF16 cache by writing its buffers, both with random keys and values

@@ -5,7 +5,7 @@ RMSNorm is about seven (cast, square, mean, add, rsqrt, multiply, cast and scale
 rotary embedding about ten, the MLP's activation two. Inside a CUDA graph they cost no host
 time, but each still costs 1-3 µs of GPU time: at batch 1 on the Qwen3-4B shape, about
 1,400 of them take about 3.5 ms of a 10 ms step, the same for the BF16 and the INT2 cache
-(docs/decode.md). torch.compile (inductor) fuses each of these modules into one or two
+(docs/decode-log.md). torch.compile (inductor) fuses each of these modules into one or two
 kernels and leaves the matrix products to cuBLAS.
 
 `compiled_small_ops(model)` swaps the compiled forwards in for the duration of a `with`
@@ -22,7 +22,7 @@ The static decode path (`oscarkv.integrations.static_decode`) uses it around its
 steps when `CacheConfig.compile_small_ops` is on (the default), on CUDA only. Compiled
 kernels may round a few BF16 values differently from eager PyTorch (the order of a norm's
 sum, exp and rsqrt approximations), so a logit can move by an ulp and a greedy run can part
-from transformers' loop at a near-tie (docs/decode.md); compile_small_ops=False keeps eager
+from transformers' loop at a near-tie (docs/decode-log.md); compile_small_ops=False keeps eager
 rounding exactly. The rotary function is swapped in its modeling file, for every model of
 that file in the process, while the block runs.
 """

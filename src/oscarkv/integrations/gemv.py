@@ -21,7 +21,7 @@ ran before. On exit the model's own forwards are back.
 On Hopper the launches overlap their predecessors (programmatic dependent launch; see
 `triton_gemv`). The static decode path uses all this on CUDA when `CacheConfig.decode_gemv` is
 on (the default). The products sum in a different order from cuBLAS, so a logit can move by a
-BF16 ulp, as with the compiled small operations (docs/decode.md); decode_gemv=False keeps cuBLAS.
+BF16 ulp, as with the compiled small operations (docs/decode-log.md); decode_gemv=False keeps cuBLAS.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ input norm, or the model's final norm). That next norm's result is kept for its 
 from; called with anything else, it computes as usual. Rows the kernel does not take run the
 layer's own forward.
 
-The static decode path uses all this with `CacheConfig.compile_small_ops` (docs/decode.md). Like
+The static decode path uses all this with `CacheConfig.compile_small_ops` (docs/decode-log.md). Like
 the compiled norm, it can round a BF16 value differently from eager PyTorch (the order of the sum,
 the rsqrt approximation); the adds round as eager's do.
 
@@ -29,7 +29,7 @@ Prompts (`static_decode.forward_slots`: the engine's prompt chunks, `generate_st
 would compile again for each new prompt length). An eager RMSNorm is about seven launches, each reading and writing
 the whole activation in float32; here it is one launch, with the residual add in it. Shorter forwards stay eager: a
 Triton launch costs the host more than an eager norm's launches, and on a slow host that outweighed what the GPU
-saved (docs/decode.md, "Prompts: the norms in one launch").
+saved (docs/decode-log.md, "Prompts: the norms in one launch").
 """
 
 from __future__ import annotations

@@ -43,10 +43,10 @@ from .transformers import cache_keyword
 SlotCache = PagedSlotCache | DenseSlotCache
 
 # Forwards of at least this many tokens (batch x length) run the model's RMSNorms as the Triton kernel
-# (`forward_slots`). H200, random Qwen3-4B, whole prompts, eager norms -> Triton norms (docs/decode.md, "Prompts: the
-# norms in one launch"): 8,192 tokens in one forward 1.21-1.22x faster, 32,768 1.12x, with either cache; 8,192 in
-# chunks of 2048 1.12-1.13x faster on one machine and 0.91x (BF16) / 1.00x (INT2) on another, whose slower host
-# paid more for the Triton launches than the GPU saved.
+# (`forward_slots`). H200, random Qwen3-4B, whole prompts, eager norms -> Triton norms (docs/decode-log.md, "Prompts:
+# the norms in one launch"): 8,192 tokens in one forward 1.21-1.22x faster, 32,768 1.12x, with either cache; 8,192 in
+# chunks of 2048 1.12-1.13x faster on one machine and 0.91x (BF16) / 1.00x (INT2) on another, whose slower host paid
+# more for the Triton launches than the GPU saved.
 PROMPT_NORM_TOKENS = 4096
 
 # Settings of a GenerationConfig that change what greedy decoding picks; generate() keeps

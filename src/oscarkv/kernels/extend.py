@@ -4,7 +4,7 @@ An extend step appends a chunk of n > 1 tokens to a sequence that already holds 
 prefill in `oscarkv serve`, a prompt that continues a cached conversation). The fused kernel
 (`triton_attention`) handles it with one program per block of 16 or 32 query rows, and each program
 decodes every history page again: at 8K stored tokens and a 512-token chunk that was 4.7× slower
-than BF16 SDPA over the same contents (H100, docs/kernels.md). Here the step instead
+than BF16 SDPA over the same contents (H100, docs/kernels-log.md). Here the step instead
 1. builds the sequence's keys and values in float16 (`COMPUTE_DTYPE`) in one launch
    (`triton_dequantize.launch_dense_kv`): sink, the history pages dequantized (once per step), the ring,
    and the step's own tokens;
@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.paged import PagedLayer, StepBatch
 
-# New tokens per sequence from which "auto" dequantizes. H100, Qwen3 shapes, one layer (docs/kernels.md): the
+# New tokens per sequence from which "auto" dequantizes. H100, Qwen3 shapes, one layer (docs/kernels-log.md): the
 # fused kernel's time (32-row query blocks) grows with the new tokens (8K stored: 64 µs at 32, 85 at 48, 103 at
 # 56, 114 at 64), this path's hardly (73, 73, 74, 73 µs with the one-launch dense build); at 8K and at 32K the
 # fused kernel is faster at 32 new tokens (32K: 199 against 216 µs) and slower from 48 (32K: 249 against 217).

@@ -36,7 +36,7 @@ not give (it moved the weights through shared memory, docs/data/head-columns-var
   most TERM_ROWS blocks (`terms_in_programs`); else they come from a launch of their own before this one
   (fifty-eighth session: one layer 1x128K 37.3 -> 34.6 µs, 1x32K 17.2 -> 15.7 with shifts).
 
-Measured on the H200 (docs/kernels.md, fifty-first, fifty-second and fifty-fifth sessions): 723 SASS instructions
+Measured on the H200 (docs/kernels-log.md, fifty-first, fifty-second and fifty-fifth sessions): 723 SASS instructions
 per page in the loop against 1097, 68 dots against 132, 128 registers (Triton 3.6, sm_90); one layer's decode step
 1.13-1.27x faster than with the Triton kernel at the benchmark shapes. Staging deeper (3, 4 or 6 slots) was slower.
 
@@ -71,7 +71,7 @@ MAX_GROUP = 8  # query heads per KV head: the 8 columns of the m16n8k16 tile
 # most at which 16 programs fit a multiprocessor; one more is a cliff: on the H200 a variant of the kernel at 129
 # registers took 97.5 µs for one 32x8K layer, the same capped at 128 (no spills) 70.3 µs. A cap of 128 on this kernel
 # (which then takes 124) was slower than none: 1x128K 33.1-33.2 against 32.0-32.1 µs (fifty-fifth session,
-# docs/kernels.md). So check the count (`scripts/probe_gluon_history.py sass`) after changing the kernel.
+# docs/kernels-log.md). So check the count (`scripts/probe_gluon_history.py sass`) after changing the kernel.
 REGISTER_CAP = 168
 # With key shifts (key_centering "rope", the default of a centered artifact) the kernel takes 132 uncapped; capped at
 # 128 it does not spill (749 instructions a page against 743).

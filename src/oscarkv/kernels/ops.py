@@ -239,7 +239,7 @@ def choose_block_m(max_new: int, group: int) -> int:
     (decode), else EXTEND_BLOCK_M. Every program of an extend step decodes every history page it reads, so
     fewer, larger blocks read the history fewer times: H100, Qwen3 shapes (GQA 4), batch 1, 16 -> 32 rows took
     8K + 8 new tokens from 38.7 to 32.4 µs, 8K + 64 from 180 to 114 µs, 32K + 128 from 1099 to 628 µs
-    (docs/kernels.md)."""
+    (docs/kernels-log.md)."""
     return 16 if max_new * group <= 16 else EXTEND_BLOCK_M
 
 

@@ -2,7 +2,7 @@
 
 Between the q/k projections and the attention, a decode step of a Llama/Qwen-style layer runs the
 q and k RMSNorms (Qwen3), the rotary embedding of q and of k, and the queries' rotation by R_K:
-five launches of 1-4 µs each at batch 1 (docs/decode.md). This kernel does all of it in one:
+five launches of 1-4 µs each at batch 1 (docs/decode-log.md). This kernel does all of it in one:
 - a query program takes BLOCK rows of one query head and BLOCK_N columns of its output: RMSNorm
   (optional), RoPE, then the product with those columns of its KV head's R_K in float32 (IEEE
   products, as `triton_rotate`), stored as [B, Hq, D] in the queries' dtype (`attend_step`'s q);
@@ -15,7 +15,7 @@ With a `StepWrite` (`ops.decode_query_key_write`) the launch is also the decode 
 programs store the token's rotated key and its value in the sink or ring, and more programs run the flush of
 `triton_write` (the ring tokens that age out, quantized into their pages). That is one launch per layer less
 than the query/key launch followed by the write launch: on the H100 the Qwen3-4B step at 1×100K went from
-4.368 to 4.326–4.329 ms (docs/decode.md).
+4.368 to 4.326–4.329 ms (docs/decode-log.md).
 
 Rounding follows the eager modules: the norm in float32, rounded to the dtype, times the weight and
 rounded again; RoPE's q·cos and rotate_half(q)·sin each rounded, then their sum. The norm's sum may
@@ -31,7 +31,7 @@ bulk prefetches (the launch then ends only when they land) were slower (docs/dat
 The query and key programs' code comes first in the compiled kernel (`_query_key_block`, taken before the flush and
 prefetch branches): behind the flush's quantizer, about 8,900 SASS instructions (9,500 with key shifts) before it on
 sm_90, the launch took 2.9 µs a layer at 1x100K on the H200 and 3.8-4.0 µs with key shifts; first, 2.5-2.8 µs either
-way (time exposed in whole random Qwen3-4B steps; the centered step 3.635-3.638 -> 3.556-3.564 ms, docs/decode.md).
+way (time exposed in whole random Qwen3-4B steps; the centered step 3.635-3.638 -> 3.556-3.564 ms, docs/decode-log.md).
 
 With `overlap` (Hopper, `triton_pdl`) the launch starts while the projection before it ends: cos/sin,
 the R_K columns and μ_K load before it waits; the norm weights load with the rows, after it. Reference:

@@ -608,7 +608,7 @@ def pattern_shift(dtype) -> int:
 # Register cap of a prompt's write launch (STREAM 3), whose keys' and values' programs share one kernel and so one
 # register count: 157 with Triton 3.6 for sm_90, under the cap, so three programs share a multiprocessor. A guard
 # for compilers that allocate more: a prototype of this launch took 182 registers and ran 227 µs for a 32K-token
-# prompt against 192 µs capped at 168 (docs/kernels.md, "Write: keys and values in separate programs").
+# prompt against 192 µs capped at 168 (docs/kernels-log.md, "Write: keys and values in separate programs").
 PROMPT_WRITE_REGISTERS = 168
 # Warps per program of a decode step's merged flush-and-write launch: 1, 2 and 8 were slower or no faster on the
 # H100 (docs/data/combine-write-warps-h100.txt).
@@ -687,7 +687,7 @@ def launch_write(layer, batch, k, v, k_rot, rotation, mean, clip_k: float, clip_
     # Prompts run keys and values in separate programs of one launch (STREAM 3, capped at PROMPT_WRITE_REGISTERS): a
     # program for both streams needs 238 registers (two programs per multiprocessor), one for either 157 (three).
     # On the H100 one launch took 181.3-182.0 us for a 32K-token prompt against 188.1-189.3 us for two (STREAM 0,
-    # then 1; docs/kernels.md), which a Triton without register caps still takes. Other steps keep both streams in
+    # then 1; docs/kernels-log.md), which a Triton without register caps still takes. Other steps keep both streams in
     # one program (STREAM 2): a decode step's write is mostly the rotation of one key per head, and twice the
     # programs made the whole-model step slower.
     write_block = 64 if batch.max_new >= 64 and d <= 128 else FLUSH_TOKENS

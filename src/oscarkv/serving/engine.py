@@ -122,7 +122,7 @@ class EngineConfig:
 # Prompt tokens per prefill forward by default. On a GPU an eager forward of a few hundred tokens costs the host more
 # than the GPU: one H200, random Qwen3-4B, one 8,192-token prompt took 615-988 ms (BF16) and 949-1542 ms (INT2) in
 # chunks of 512 against 231-239 and 344-389 ms in chunks of 2048, and a forward of 2048 tokens took 0.9-1.6x as long
-# as one of 512 (docs/decode.md, "Chunked prompts"), so the other requests' decode steps also wait less in all. On
+# as one of 512 (docs/decode-log.md, "Chunked prompts"), so the other requests' decode steps also wait less in all. On
 # the CPU a forward's time grows with its tokens, and smaller chunks keep the others' steps short.
 CUDA_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
