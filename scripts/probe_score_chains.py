@@ -1,0 +1,195 @@
+"""Developer tool (GPU): the Gluon decode history kernel with its score dots in two or four independent chains,
+against the shipped kernel, one decode attention layer per shape, in alternating rounds (CUDA graphs, best of the
+rounds), with each variant's error against the torch reference.
+
+    PYTHONPATH=src:scripts python scripts/probe_score_chains.py [1x131072,1x100000,32x32768] [--rounds 3] [--bounds]
+
+Why: a page's scores are eight tensor-core dots (one per INT2 slice of the key words) accumulated into one tile, so
+each m16 tile of the scores is a chain of eight dependent mma instructions, on the critical path of every page
+between the page's arrival and its softmax. A one-warp program alone on its scheduler takes up to about 1.2 µs a
+page at 1x128K (66 history splits, docs/data/batch1-splits-h200-s69.txt), roughly a third of an instruction a cycle,
+so a chain's latency, not a pipe, might set its pace: these variants shorten the chain. The variants (copies of
+`gluon_history_kernel.history_kernel` changed by text, loaded as modules of their own) accumulate slices s and s + 4
+(two chains) or s, s + 2, s + 4, s + 6 (four) into separate tiles and add them once a page: the same products, summed
+in another order (float32), 16 or 48 adds more a page, 16 or 48 more registers a thread.
+
+"speculative": the second wait on each page's chain is the running maximum: the page's exponentials, their float16
+weights and the weights' transpose into the value dot's operand all wait for the maximum over the page's 64 rows
+(shuffles across lanes). The variant computes them with the running maximum from before the page, in parallel with
+that reduction, and computes them again, with the new maximum, only inside the branch that rescales the accumulators
+when some head's maximum grew. Where no maximum grows the two are the same numbers, so the outputs are the shipped
+kernel's bit for bit in that case, and the same arithmetic otherwise. "speculative + 2 chains" has both changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SHIPPED = "".join(f"        d = mma_v2(_slice_units(ka, kh, {s}), qs{s}, d)\n" for s in range(8))
+ZERO = "        d = gl.zeros([64, 8], gl.float32, MMA)\n"
+
+
+def chained_source(chains: int) -> str:
+    """The score dots of one page as `chains` interleaved chains (slices s with s % chains equal share one), summed."""
+    names = ["d", "e", "f", "g"][:chains]
+    text = "".join(f"        {n} = gl.zeros([64, 8], gl.float32, MMA)\n" for n in names)
+    for s in range(8):
+        n = names[s % chains]
+        text += f"        {n} = mma_v2(_slice_units(ka, kh, {s}), qs{s}, {n})\n"
+    if chains == 2:
+        text += "        d = d + e\n"
+    elif chains == 4:
+        text += "        d = (d + e) + (f + g)\n"
+    return text
+
+
+EXPONENTS = """        m_new = gl.maximum(m_run, m_page)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        if KEY_SHIFTS != 0:  # exp2(scores·units + shift - m): the term joins the max subtracted, no work per element
+            p = gl.exp2(scores * units - (m_safe - shift)[None, :])
+        else:
+            p = gl.exp2(scores * units - m_safe[None, :])
+"""
+SPECULATIVE_EXPONENTS = """        m_new = gl.maximum(m_run, m_page)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        m_old = gl.where(m_run == float("-inf"), 0.0, m_run)
+        if KEY_SHIFTS != 0:
+            p = gl.exp2(scores * units - (m_old - shift)[None, :])
+        else:
+            p = gl.exp2(scores * units - m_old[None, :])
+        weight = (p * v_scale[:, None]).to(gl.float16)
+        wb = _weights_operand(weight, B)
+"""
+RESCALE_END = """            acc7 = acc7 * alpha[None, :]
+        m_run = m_new
+        weight = (p * v_scale[:, None]).to(gl.float16)  # the value scales folded into the probabilities
+        l_part = l_part + _fold_rows(p)
+        wb = _weights_operand(weight, B)
+"""
+SPECULATIVE_RESCALE_END = """            acc7 = acc7 * alpha[None, :]
+            if KEY_SHIFTS != 0:
+                p = gl.exp2(scores * units - (m_safe - shift)[None, :])
+            else:
+                p = gl.exp2(scores * units - m_safe[None, :])
+            weight = (p * v_scale[:, None]).to(gl.float16)
+            wb = _weights_operand(weight, B)
+        m_run = m_new
+        l_part = l_part + _fold_rows(p)
+"""
+
+
+# The bound of the sixtieth session's ablation (docs/data/history-ablation-variant.patch): slices 4-7 of the keys and
+# the values reuse the float16 operands of slices 0-3, so half the unpacking goes (wrong outputs: a bound only).
+HALF_UNPACKING = [
+    ("".join(f"        d = mma_v2(_slice_units(ka, kh, {s}), qs{s}, d)\n" for s in range(4, 8)),
+     "".join(f"        d = mma_v2(_slice_units(ka, kh, {s - 4}), qs{s}, d)\n" for s in range(4, 8))),
+    ("".join(f"        acc{s} = mma_v2(_slice_units(va, vh, {s}), wb, acc{s})\n" for s in range(4, 8)),
+     "".join(f"        acc{s} = mma_v2(_slice_units(va, vh, {s - 4}), wb, acc{s})\n" for s in range(4, 8))),
+]
+
+
+def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool = False):
+    """The shipped kernel's source with `chains` score chains and, if `speculative`, the page's exponents first
+    computed against the running maximum from before the page (see above), loaded as a module of its own (Gluon
+    compiles from source)."""
+    from oscarkv.kernels import gluon_history_kernel
+
+    source = inspect.getsource(gluon_history_kernel)
+    edits = [(ZERO + SHIPPED, chained_source(chains))]
+    if speculative:
+        edits += [(EXPONENTS, SPECULATIVE_EXPONENTS), (RESCALE_END, SPECULATIVE_RESCALE_END)]
+    if half_unpacking:
+        edits += HALF_UNPACKING
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    name = (f"score_chains_{chains}{'_speculative' if speculative else ''}{'_half' if half_unpacking else ''}"
+            "_history_kernel")
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.history_kernel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,1x32768,8x32768,32x32768")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bounds", action="store_true",
+                        help="instead: the shipped kernel and the half-unpacking ablation (wrong outputs, a bound), "
+                             "each with 2, 3 and 4 staged pages")
+    args = parser.parse_args()
+
+    from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
+    from oscarkv.kernels import gluon_history, gluon_history_kernel, reference
+    from oscarkv.kernels.ops import attend_step, choose_splits
+
+    shipped = gluon_history_kernel.history_kernel
+    if args.bounds:
+        half = variant_kernel(1, half_unpacking=True)
+        kernels = {f"{name} @{stages}": (kernel, stages) for name, kernel in (("shipped", shipped),
+                                                                              ("half unpacking", half))
+                   for stages in (2, 3, 4)}
+    else:
+        kernels = {name: (kernel, gluon_history.STAGES) for name, kernel in (
+            ("shipped", shipped), ("2 chains", variant_kernel(2)), ("4 chains", variant_kernel(4)),
+            ("speculative", variant_kernel(1, speculative=True)),
+            ("speculative + 2 chains", variant_kernel(2, speculative=True)))}
+    default_stages = gluon_history.STAGES
+    copy = copy_bandwidth_gbs(torch.device("cuda"))
+    print(torch.cuda.get_device_name(), f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    for spec in args.shapes.split(","):
+        batch, context = (int(x) for x in spec.split("x"))
+        case = decode_case(batch, context)
+        device = case.q.device
+        assert gluon_history.takes(case.layer, case.step, 32, 0, device)
+        splits = choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
+        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new,
+                                            128 ** -0.5).float()
+        steps = {}
+        for name, (kernel, stages) in kernels.items():
+            out = torch.zeros_like(case.q)
+            workspace = (torch.empty(batch, 32, splits, 128, device=device),
+                         torch.empty(batch, 32, splits, device=device))
+
+            def fn(kernel=kernel, stages=stages, out=out, workspace=workspace):
+                gluon_history_kernel.history_kernel, gluon_history.STAGES = kernel, stages
+                try:
+                    attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5,
+                                num_splits=splits, out=out, workspace=workspace, validate=False, history="gluon")
+                finally:
+                    gluon_history_kernel.history_kernel, gluon_history.STAGES = shipped, default_stages
+
+            steps[name] = (fn, out)
+        errors = {}
+        for name, (fn, out) in steps.items():
+            fn()
+            torch.cuda.synchronize()
+            errors[name] = (out.float() - ref).abs().max().item()
+        times = {name: [] for name in steps}
+        for _ in range(args.rounds):
+            for name, (fn, _) in steps.items():
+                times[name].append(_time_us(fn))
+        nbytes = decode_bytes(case, context)
+        base = min(times[next(iter(times))])
+        for name in steps:
+            us = min(times[name])
+            print(f"{spec:>10} splits {splits:3d}  {name:<24} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%}, "
+                  f"err {errors[name]:.1e}, {base / us:.3f}x; rounds {' '.join(f'{t:.1f}' for t in times[name])})",
+                  flush=True)
+        case = steps = ref = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
