@@ -27,11 +27,7 @@ tier (one eager step after four; `probe_history_timeline`'s records).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -160,20 +156,14 @@ def claimed_kernel(static: bool = False, deferred: bool = False, timer: bool = F
                        "nn = gl.atomic_add(counter, 1, sem=\"relaxed\")", "nn = gl.minimum(lo + 2, hi)"))
             new = new.split("    ended = ")[0]
         body = body.replace(old, new)
-    name = "static_history_kernel" if static else "deferred_history_kernel" if deferred else "claimed_history_kernel"
-    path = Path(tempfile.mkdtemp()) / f"{name}.py"
-    if timer:
-        from probe_history_timeline import TIMER, with_timer
+    from probe_history_timeline import TIMER, load_history_kernel, with_timer
 
+    name = "static_history_kernel" if static else "deferred_history_kernel" if deferred else "claimed_history_kernel"
+    if timer:
         name += "_timed"
         body = with_timer(body, "i")
-    path.write_text(head + (CLAIM_HELPER if deferred else "") + (TIMER if timer else "")
-                    + "@gluon.jit\ndef history_kernel(" + body)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.history_kernel
+    return load_history_kernel(name, head + (CLAIM_HELPER if deferred else "") + (TIMER if timer else "")
+                               + "@gluon.jit\ndef history_kernel(" + body)
 
 
 def main() -> None:

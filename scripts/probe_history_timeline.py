@@ -68,6 +68,18 @@ def tiers(rec: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
     return rank // 4
 
 
+def load_history_kernel(name: str, source: str):
+    """The `history_kernel` of `source` (a variant of `gluon_history_kernel`'s text), loaded as a module `name` of
+    its own from a file: Gluon compiles a kernel from its source file, so a variant cannot be built in memory."""
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.history_kernel
+
+
 def timed_kernel():
     """The shipped kernel's source with timer stores, loaded as a module of its own (Gluon compiles from source)."""
     from oscarkv.kernels import gluon_history_kernel
@@ -75,14 +87,7 @@ def timed_kernel():
     source = inspect.getsource(gluon_history_kernel)
     head, _, body = source.partition("@gluon.jit\ndef history_kernel(")
     body = with_timer(body, "gl.maximum(hi - lo, 0)")
-    text = head + TIMER + "@gluon.jit\ndef history_kernel(" + body
-    path = Path(tempfile.mkdtemp()) / "timed_history_kernel.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("timed_history_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["timed_history_kernel"] = module
-    spec.loader.exec_module(module)
-    return module.history_kernel
+    return load_history_kernel("timed_history_kernel", head + TIMER + "@gluon.jit\ndef history_kernel(" + body)
 
 
 def run_shape(batch: int, context: int, timed, save: Path | None, forced: int | None = None,

@@ -24,11 +24,7 @@ kernel's bit for bit in that case, and the same arithmetic otherwise. "speculati
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -110,15 +106,10 @@ def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool 
     for old, new in edits:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
-    name = (f"score_chains_{chains}{'_speculative' if speculative else ''}{'_half' if half_unpacking else ''}"
-            "_history_kernel")
-    path = Path(tempfile.mkdtemp()) / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.history_kernel
+    from probe_history_timeline import load_history_kernel
+
+    return load_history_kernel(f"score_chains_{chains}{'_speculative' if speculative else ''}"
+                               f"{'_half' if half_unpacking else ''}_history_kernel", source)
 
 
 def main() -> None:
