@@ -176,9 +176,11 @@ def main() -> None:
     if args.timeline:
         return timeline_main(args.shapes)
 
-    from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
+    from oscarkv.benchmarks.attention import copy_bandwidth_gbs, decode_bytes, decode_case
     from oscarkv.kernels import gluon_history, gluon_history_kernel, reference
     from oscarkv.kernels.ops import attend_step, choose_splits
+
+    from probe_history_timeline import alternating_times, step_errors
 
     claimed = claimed_kernel()
     static = claimed_kernel(static=True)
@@ -219,16 +221,9 @@ def main() -> None:
                     gluon_history_kernel.history_kernel = shipped
 
             steps[name] = (fn, out)
-        errors = {}
-        for name, (fn, out) in steps.items():
-            fn()
-            torch.cuda.synchronize()
-            errors[name] = (out.float() - ref).abs().max().item()
+        errors = step_errors(steps, ref)
         first = steps["deferred"][1].clone()
-        times = {name: [] for name in steps}
-        for _ in range(args.rounds):
-            for name, (fn, _) in steps.items():
-                times[name].append(_time_us(fn))
+        times = alternating_times(steps, args.rounds)
         torch.cuda.synchronize()
         spread = (steps["deferred"][1].float() - first.float()).abs().max().item()
         nbytes = decode_bytes(case, context)

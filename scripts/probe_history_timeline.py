@@ -80,6 +80,27 @@ def load_history_kernel(name: str, source: str):
     return module.history_kernel
 
 
+def step_errors(steps: dict, ref: torch.Tensor) -> dict:
+    """For steps {name: (fn, out)} of one layer: each output's max abs error against `ref` after one run."""
+    errors = {}
+    for name, (fn, out) in steps.items():
+        fn()
+        torch.cuda.synchronize()
+        errors[name] = (out.float() - ref).abs().max().item()
+    return errors
+
+
+def alternating_times(steps: dict, rounds: int) -> dict:
+    """Each step's CUDA-graph times over `rounds` rounds that take the steps {name: (fn, out)} in turn."""
+    from oscarkv.benchmarks.attention import _time_us
+
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, (fn, _) in steps.items():
+            times[name].append(_time_us(fn))
+    return times
+
+
 def timed_kernel():
     """The shipped kernel's source with timer stores, loaded as a module of its own (Gluon compiles from source)."""
     from oscarkv.kernels import gluon_history_kernel

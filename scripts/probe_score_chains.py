@@ -121,9 +121,11 @@ def main() -> None:
                              "each with 2, 3 and 4 staged pages")
     args = parser.parse_args()
 
-    from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_bytes, decode_case
+    from oscarkv.benchmarks.attention import copy_bandwidth_gbs, decode_bytes, decode_case
     from oscarkv.kernels import gluon_history, gluon_history_kernel, reference
     from oscarkv.kernels.ops import attend_step, choose_splits
+
+    from probe_history_timeline import alternating_times, step_errors
 
     shipped = gluon_history_kernel.history_kernel
     if args.bounds:
@@ -162,15 +164,7 @@ def main() -> None:
                     gluon_history_kernel.history_kernel, gluon_history.STAGES = shipped, default_stages
 
             steps[name] = (fn, out)
-        errors = {}
-        for name, (fn, out) in steps.items():
-            fn()
-            torch.cuda.synchronize()
-            errors[name] = (out.float() - ref).abs().max().item()
-        times = {name: [] for name in steps}
-        for _ in range(args.rounds):
-            for name, (fn, _) in steps.items():
-                times[name].append(_time_us(fn))
+        errors, times = step_errors(steps, ref), alternating_times(steps, args.rounds)
         nbytes = decode_bytes(case, context)
         base = min(times[next(iter(times))])
         for name in steps:
