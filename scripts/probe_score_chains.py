@@ -2,7 +2,8 @@
 against the shipped kernel, one decode attention layer per shape, in alternating rounds (CUDA graphs, best of the
 rounds), with each variant's error against the torch reference.
 
-    PYTHONPATH=src:scripts python scripts/probe_score_chains.py [1x131072,1x100000,32x32768] [--rounds 3] [--bounds]
+    PYTHONPATH=src:scripts python scripts/probe_score_chains.py [1x131072,1x100000,32x32768] [--rounds 3]
+        [--bounds | --footprint] [--splits N]
 
 Why: a page's scores are eight tensor-core dots (one per INT2 slice of the key words) accumulated into one tile, so
 each m16 tile of the scores is a chain of eight dependent mma instructions, on the critical path of every page
@@ -91,7 +92,18 @@ HALF_UNPACKING = [
 ]
 
 
-def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool = False):
+# A stronger bound: no unpacking at all, every slice's operand the raw code words read as float16 (wrong outputs,
+# NaN among them; only the time means anything).
+NO_UNPACKING = [("    return _masked_units(w if s < 4 else high, 3 << (2 * (s % 4)))\n",
+                 "    return w.to(gl.float16, bitcast=True)\n")]
+
+
+# One shared-memory slot more than the pipeline uses (its footprint without its deeper staging).
+SPARE_SLOT = [("    slots = _page_slots(STAGES)\n", "    slots = _page_slots(STAGES + 1)\n")]
+
+
+def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool = False, no_unpacking: bool = False,
+                   spare_slot: bool = False):
     """The shipped kernel's source with `chains` score chains and, if `speculative`, the page's exponents first
     computed against the running maximum from before the page (see above), loaded as a module of its own (Gluon
     compiles from source)."""
@@ -103,22 +115,33 @@ def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool 
         edits += [(EXPONENTS, SPECULATIVE_EXPONENTS), (RESCALE_END, SPECULATIVE_RESCALE_END)]
     if half_unpacking:
         edits += HALF_UNPACKING
+    if no_unpacking:
+        edits += NO_UNPACKING
+    if spare_slot:
+        edits += SPARE_SLOT
     for old, new in edits:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     from probe_history_timeline import load_history_kernel
 
     return load_history_kernel(f"score_chains_{chains}{'_speculative' if speculative else ''}"
-                               f"{'_half' if half_unpacking else ''}_history_kernel", source)
+                               f"{'_half' if half_unpacking else ''}{'_raw' if no_unpacking else ''}"
+                               f"{'_spare' if spare_slot else ''}_history_kernel",
+                               source)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,1x32768,8x32768,32x32768")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--splits", type=int, default=0,
+                        help="splits in all (history and window programs) instead of the plan's")
+    parser.add_argument("--footprint", action="store_true",
+                        help="instead: the shipped kernel with 2 and 3 staged pages, each with one shared-memory "
+                             "slot more allocated than it uses")
     parser.add_argument("--bounds", action="store_true",
-                        help="instead: the shipped kernel and the half-unpacking ablation (wrong outputs, a bound), "
-                             "each with 2, 3 and 4 staged pages")
+                        help="instead: the shipped kernel and two ablations (half the unpacking, none: wrong "
+                             "outputs, bounds), each with 2, 3 and 4 staged pages")
     args = parser.parse_args()
 
     from oscarkv.benchmarks.attention import copy_bandwidth_gbs, decode_bytes, decode_case
@@ -129,10 +152,12 @@ def main() -> None:
 
     shipped = gluon_history_kernel.history_kernel
     if args.bounds:
-        half = variant_kernel(1, half_unpacking=True)
-        kernels = {f"{name} @{stages}": (kernel, stages) for name, kernel in (("shipped", shipped),
-                                                                              ("half unpacking", half))
-                   for stages in (2, 3, 4)}
+        bounds = (("shipped", shipped), ("half unpacking", variant_kernel(1, half_unpacking=True)),
+                  ("no unpacking", variant_kernel(1, no_unpacking=True)))
+        kernels = {f"{name} @{stages}": (kernel, stages) for name, kernel in bounds for stages in (2, 3, 4)}
+    elif args.footprint:
+        kernels = {"shipped @2": (shipped, 2), "a spare slot @2": (variant_kernel(1, spare_slot=True), 2),
+                   "shipped @3": (shipped, 3), "a spare slot @3": (variant_kernel(1, spare_slot=True), 3)}
     else:
         kernels = {name: (kernel, gluon_history.STAGES) for name, kernel in (
             ("shipped", shipped), ("2 chains", variant_kernel(2)), ("4 chains", variant_kernel(4)),
@@ -146,7 +171,7 @@ def main() -> None:
         case = decode_case(batch, context)
         device = case.q.device
         assert gluon_history.takes(case.layer, case.step, 32, 0, device)
-        splits = choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
+        splits = args.splits or choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
         ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new,
                                             128 ** -0.5).float()
         steps = {}
