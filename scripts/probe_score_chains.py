@@ -1,9 +1,15 @@
-"""Developer tool (GPU): the Gluon decode history kernel with its score dots in two or four independent chains,
-against the shipped kernel, one decode attention layer per shape, in alternating rounds (CUDA graphs, best of the
-rounds), with each variant's error against the torch reference.
+"""Developer tool (GPU): variants of the Gluon decode history kernel against the shipped kernel (its score dots in
+two or four independent chains, speculative exponents; with --bounds, --footprint or --reads the bounds below), one
+decode attention layer per shape, in alternating rounds (CUDA graphs, best of the rounds), with each variant's error
+against the torch reference.
+
+--bounds: half the codes' unpacking, or none (wrong outputs), each with 2, 3 and 4 staged pages. --footprint: one
+shared-memory slot more allocated than the pipeline uses. --reads: the kernel's own block-table loads, copies, waits
+and shared-memory reads with no arithmetic (wrong outputs), with 2, 3, 4 and 6 slots. Findings: docs/kernels-log.md,
+"What holds the history kernel: its copies, not its arithmetic".
 
     PYTHONPATH=src:scripts python scripts/probe_score_chains.py [1x131072,1x100000,32x32768] [--rounds 3]
-        [--bounds | --footprint] [--splits N]
+        [--bounds | --footprint | --reads] [--splits N]
 
 Why: a page's scores are eight tensor-core dots (one per INT2 slice of the key words) accumulated into one tile, so
 each m16 tile of the scores is a chain of eight dependent mma instructions, on the critical path of every page
@@ -98,12 +104,32 @@ NO_UNPACKING = [("    return _masked_units(w if s < 4 else high, 3 << (2 * (s % 
                  "    return w.to(gl.float16, bitcast=True)\n")]
 
 
+def reads_only(source: str) -> str:
+    """`source` with each page's work replaced by sums of its staged words and parameters (kept by the partial
+    log-sum-exps they are added to): the kernel's own copies and staging with no arithmetic (wrong outputs)."""
+    start = "        kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw = _staged_page(slots, i % STAGES)\n"
+    end = "    async_copy.wait_group(0)\n"
+    head, rest = source.split(start)
+    _, tail = rest.split(end)
+    body = (start + "        oks = oks >> 1\n"
+            "        junk = junk + gl.sum(gl.sum(kwords.to(gl.int32), 1), 0) + gl.sum(gl.sum(vwords.to(gl.int32), 1), 0)\n"
+            "        junk = junk + (gl.sum(ks_raw.to(gl.float32), 0) + gl.sum(kz_raw.to(gl.float32), 0)\n"
+            "                       + gl.sum(vs_raw.to(gl.float32), 0) + gl.sum(vz_raw.to(gl.float32), 0)).to(gl.int32)\n")
+    loop = "    for index in range(lo, hi):\n"
+    assert head.count(loop) == 1
+    head = head.replace(loop, "    junk = gl.program_id(0) * 0\n" + loop)
+    store = "gl.where(l > 0, m_run + gl.log2(l_safe), float(\"-inf\"))"
+    assert tail.count(store) == 1
+    tail = tail.replace(store, f"{store} + junk.to(gl.float32)")
+    return head + body + end + tail
+
+
 # One shared-memory slot more than the pipeline uses (its footprint without its deeper staging).
 SPARE_SLOT = [("    slots = _page_slots(STAGES)\n", "    slots = _page_slots(STAGES + 1)\n")]
 
 
 def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool = False, no_unpacking: bool = False,
-                   spare_slot: bool = False):
+                   spare_slot: bool = False, reads: bool = False):
     """The shipped kernel's source with `chains` score chains and, if `speculative`, the page's exponents first
     computed against the running maximum from before the page (see above), loaded as a module of its own (Gluon
     compiles from source)."""
@@ -122,11 +148,13 @@ def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool 
     for old, new in edits:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
+    if reads:
+        source = reads_only(source)
     from probe_history_timeline import load_history_kernel
 
     return load_history_kernel(f"score_chains_{chains}{'_speculative' if speculative else ''}"
                                f"{'_half' if half_unpacking else ''}{'_raw' if no_unpacking else ''}"
-                               f"{'_spare' if spare_slot else ''}_history_kernel",
+                               f"{'_spare' if spare_slot else ''}{'_reads' if reads else ''}_history_kernel",
                                source)
 
 
@@ -136,6 +164,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--splits", type=int, default=0,
                         help="splits in all (history and window programs) instead of the plan's")
+    parser.add_argument("--reads", action="store_true",
+                        help="instead: the shipped kernel and its copies and staging alone (no arithmetic; wrong "
+                             "outputs), with 2, 3, 4 and 6 staged pages")
     parser.add_argument("--footprint", action="store_true",
                         help="instead: the shipped kernel with 2 and 3 staged pages, each with one shared-memory "
                              "slot more allocated than it uses")
@@ -155,6 +186,9 @@ def main() -> None:
         bounds = (("shipped", shipped), ("half unpacking", variant_kernel(1, half_unpacking=True)),
                   ("no unpacking", variant_kernel(1, no_unpacking=True)))
         kernels = {f"{name} @{stages}": (kernel, stages) for name, kernel in bounds for stages in (2, 3, 4)}
+    elif args.reads:
+        reads = variant_kernel(1, reads=True)
+        kernels = {"shipped @2": (shipped, 2), **{f"reads only @{stages}": (reads, stages) for stages in (2, 3, 4, 6)}}
     elif args.footprint:
         kernels = {"shipped @2": (shipped, 2), "a spare slot @2": (variant_kernel(1, spare_slot=True), 2),
                    "shipped @3": (shipped, 3), "a spare slot @3": (variant_kernel(1, spare_slot=True), 3)}
