@@ -175,11 +175,8 @@ def main() -> None:
                              "outputs, bounds), each with 2, 3 and 4 staged pages")
     args = parser.parse_args()
 
-    from oscarkv.benchmarks.attention import copy_bandwidth_gbs, decode_bytes, decode_case
-    from oscarkv.kernels import gluon_history, gluon_history_kernel, reference
-    from oscarkv.kernels.ops import attend_step, choose_splits
-
-    from probe_history_timeline import alternating_times, step_errors
+    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
+    from oscarkv.kernels import gluon_history, gluon_history_kernel
 
     shipped = gluon_history_kernel.history_kernel
     if args.bounds:
@@ -197,42 +194,53 @@ def main() -> None:
             ("shipped", shipped), ("2 chains", variant_kernel(2)), ("4 chains", variant_kernel(4)),
             ("speculative", variant_kernel(1, speculative=True)),
             ("speculative + 2 chains", variant_kernel(2, speculative=True)))}
-    default_stages = gluon_history.STAGES
     copy = copy_bandwidth_gbs(torch.device("cuda"))
     print(torch.cuda.get_device_name(), f"copy bandwidth {copy:.0f} GB/s", flush=True)
     for spec in args.shapes.split(","):
-        batch, context = (int(x) for x in spec.split("x"))
-        case = decode_case(batch, context)
-        device = case.q.device
-        assert gluon_history.takes(case.layer, case.step, 32, 0, device)
-        splits = args.splits or choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
-        ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new,
-                                            128 ** -0.5).float()
-        steps = {}
-        for name, (kernel, stages) in kernels.items():
-            out = torch.zeros_like(case.q)
-            workspace = (torch.empty(batch, 32, splits, 128, device=device),
-                         torch.empty(batch, 32, splits, device=device))
+        compare_variants(spec, lambda case: kernels, args.rounds, copy, args.splits)
 
-            def fn(kernel=kernel, stages=stages, out=out, workspace=workspace):
-                gluon_history_kernel.history_kernel, gluon_history.STAGES = kernel, stages
-                try:
-                    attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5,
-                                num_splits=splits, out=out, workspace=workspace, validate=False, history="gluon")
-                finally:
-                    gluon_history_kernel.history_kernel, gluon_history.STAGES = shipped, default_stages
 
-            steps[name] = (fn, out)
-        errors, times = step_errors(steps, ref), alternating_times(steps, args.rounds)
-        nbytes = decode_bytes(case, context)
-        base = min(times[next(iter(times))])
-        for name in steps:
-            us = min(times[name])
-            print(f"{spec:>10} splits {splits:3d}  {name:<24} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%}, "
-                  f"err {errors[name]:.1e}, {base / us:.3f}x; rounds {' '.join(f'{t:.1f}' for t in times[name])})",
-                  flush=True)
-        case = steps = ref = None
-        torch.cuda.empty_cache()
+def compare_variants(spec: str, variants_of, rounds: int, copy: float, splits: int = 0) -> None:
+    """One decode layer of shape spec ("BxCONTEXT") through `ops.attend_step` with each history kernel of
+    variants_of(case) ({name: (kernel, staged pages)}, the first the baseline), in alternating CUDA-graph rounds;
+    prints each one's best time, share of the copy bandwidth `copy`, error against the torch reference and speed-up
+    over the first. splits: splits in all (0: the plan's)."""
+    from oscarkv.benchmarks.attention import decode_bytes, decode_case
+    from oscarkv.kernels import gluon_history, gluon_history_kernel, reference
+    from oscarkv.kernels.ops import attend_step, choose_splits
+
+    from probe_history_timeline import alternating_times, step_errors
+
+    shipped, default_stages = gluon_history_kernel.history_kernel, gluon_history.STAGES
+    batch, context = (int(x) for x in spec.split("x"))
+    case = decode_case(batch, context)
+    device = case.q.device
+    assert gluon_history.takes(case.layer, case.step, 32, 0, device)
+    splits = splits or choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
+    ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5).float()
+    steps = {}
+    for name, (kernel, stages) in variants_of(case).items():
+        out = torch.zeros_like(case.q)
+        workspace = (torch.empty(batch, 32, splits, 128, device=device), torch.empty(batch, 32, splits, device=device))
+
+        def fn(kernel=kernel, stages=stages, out=out, workspace=workspace):
+            gluon_history_kernel.history_kernel, gluon_history.STAGES = kernel, stages
+            try:
+                attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
+                            out=out, workspace=workspace, validate=False, history="gluon")
+            finally:
+                gluon_history_kernel.history_kernel, gluon_history.STAGES = shipped, default_stages
+
+        steps[name] = (fn, out)
+    errors, times = step_errors(steps, ref), alternating_times(steps, rounds)
+    nbytes = decode_bytes(case, context)
+    base = min(times[next(iter(times))])
+    for name in steps:
+        us = min(times[name])
+        print(f"{spec:>10} splits {splits:3d}  {name:<28} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%}, "
+              f"err {errors[name]:.1e}, {base / us:.3f}x; rounds {' '.join(f'{t:.1f}' for t in times[name])})",
+              flush=True)
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
