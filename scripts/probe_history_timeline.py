@@ -68,6 +68,14 @@ def tiers(rec: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
     return rank // 4
 
 
+def apply_edits(source: str, edits) -> str:
+    """`source` with each (old, new) text of `edits` replaced, in turn; each old text must stand exactly once."""
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    return source
+
+
 def load_history_kernel(name: str, source: str):
     """The `history_kernel` of `source` (a variant of `gluon_history_kernel`'s text), loaded as a module `name` of
     its own from a file: Gluon compiles a kernel from its source file, so a variant cannot be built in memory."""

@@ -112,9 +112,11 @@ def reads_only(source: str) -> str:
     head, rest = source.split(start)
     _, tail = rest.split(end)
     body = (start + "        oks = oks >> 1\n"
-            "        junk = junk + gl.sum(gl.sum(kwords.to(gl.int32), 1), 0) + gl.sum(gl.sum(vwords.to(gl.int32), 1), 0)\n"
+            "        junk = junk + gl.sum(gl.sum(kwords.to(gl.int32), 1), 0)\n"
+            "        junk = junk + gl.sum(gl.sum(vwords.to(gl.int32), 1), 0)\n"
             "        junk = junk + (gl.sum(ks_raw.to(gl.float32), 0) + gl.sum(kz_raw.to(gl.float32), 0)\n"
-            "                       + gl.sum(vs_raw.to(gl.float32), 0) + gl.sum(vz_raw.to(gl.float32), 0)).to(gl.int32)\n")
+            "                       + gl.sum(vs_raw.to(gl.float32), 0)\n"
+            "                       + gl.sum(vz_raw.to(gl.float32), 0)).to(gl.int32)\n")
     loop = "    for index in range(lo, hi):\n"
     assert head.count(loop) == 1
     head = head.replace(loop, "    junk = gl.program_id(0) * 0\n" + loop)
@@ -130,9 +132,9 @@ SPARE_SLOT = [("    slots = _page_slots(STAGES)\n", "    slots = _page_slots(STA
 
 def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool = False, no_unpacking: bool = False,
                    spare_slot: bool = False, reads: bool = False):
-    """The shipped kernel's source with `chains` score chains and, if `speculative`, the page's exponents first
-    computed against the running maximum from before the page (see above), loaded as a module of its own (Gluon
-    compiles from source)."""
+    """The shipped kernel's source with `chains` score chains and the other edits asked for (see above: speculative
+    exponents, half or no unpacking, a spare slot, reads only), loaded as a module of its own (Gluon compiles from
+    source)."""
     from oscarkv.kernels import gluon_history_kernel
 
     source = inspect.getsource(gluon_history_kernel)
@@ -145,12 +147,11 @@ def variant_kernel(chains: int, speculative: bool = False, half_unpacking: bool 
         edits += NO_UNPACKING
     if spare_slot:
         edits += SPARE_SLOT
-    for old, new in edits:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
+    from probe_history_timeline import apply_edits, load_history_kernel
+
+    source = apply_edits(source, edits)
     if reads:
         source = reads_only(source)
-    from probe_history_timeline import load_history_kernel
 
     return load_history_kernel(f"score_chains_{chains}{'_speculative' if speculative else ''}"
                                f"{'_half' if half_unpacking else ''}{'_raw' if no_unpacking else ''}"

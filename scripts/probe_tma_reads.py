@@ -10,7 +10,8 @@ shipped kernel's source), in the decode step, against the shipped kernel, with e
 
 Why: the Gluon history kernel's own copies (per-thread 16-byte cp.async, one commit group, a wait and a warp barrier
 a page), with every page's arithmetic removed, take 91-100% of its time at batch 1, and more staged pages read more
-slowly, while plain vector loads of the same pages with the same plan read faster (docs/data/history-reads-h200-s69.txt).
+slowly, while plain vector loads of the same pages with the same plan read faster
+(docs/data/history-reads-h200-s69.txt).
 Here each page is six TMA copies issued by one thread (key codes and value codes, 64 rows of 32 bytes each; the four
 128-byte rows of scales and zeros), completed on the page's mbarrier; the program waits on the barrier, reads the
 slot back from shared memory and sums it (so that the copies must land), with STAGES slots in flight. Same programs
@@ -28,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from oscarkv.benchmarks.attention import _time_us, copy_bandwidth_gbs, decode_case
+from oscarkv.benchmarks.attention import copy_bandwidth_gbs, decode_case
 from oscarkv.kernels.ops import choose_splits, window_plan
 
 # Gluon's names moved between releases (3.6: async_copy_global_to_shared, thread_barrier; 3.9: async_load, barrier)
@@ -125,6 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.kernel:
         return kernel_main(args.shapes, args.stages, args.rounds)
+    from probe_history_timeline import alternating_times
     from probe_page_layout import _read_history
 
     device = torch.device("cuda")
@@ -163,10 +165,7 @@ def main() -> None:
             fn()
             torch.cuda.synchronize()
             sums[name] = out.double().sum().item()
-        times = {name: [] for name in runs}
-        for _ in range(3):
-            for name, fn in runs.items():
-                times[name].append(_time_us(fn))
+        times = alternating_times({name: (fn, None) for name, fn in runs.items()}, args.rounds)
         print(f"{shape}: {history_splits} history splits x {batch * heads} (sequence, KV head), {pages} pages; "
               f"history bytes {nbytes / 1e6:.1f} MB")
         for name in runs:
@@ -177,7 +176,7 @@ def main() -> None:
 
 
 TMA_HELPERS = '''
-_tma_copy = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_copy = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -203,15 +202,8 @@ def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, 
     whether its id is valid (an id out of range reads page 0, and the caller masks its scores)."""
     kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf, bars, kd, vd, ksd, kzd, vsd, vzd = slots
     page_ok = (page >= 0) & (page < num_pages)
-    block = gl.where(page_ok, page, 0) * HKV + h
-    bar = bars.index(stage)
-    mbarrier.expect(bar, 2 * P * 2 * WORDS + 8 * P, pred=live)
-    _tma_copy(kd, [block * P, 0], bar, kbuf.index(stage), pred=live)
-    _tma_copy(vd, [block * P, 0], bar, vbuf.index(stage), pred=live)
-    _tma_copy(ksd, [block, 0], bar, ksbuf.index(stage), pred=live)
-    _tma_copy(kzd, [block, 0], bar, kzbuf.index(stage), pred=live)
-    _tma_copy(vsd, [block, 0], bar, vsbuf.index(stage), pred=live)
-    _tma_copy(vzd, [block, 0], bar, vzbuf.index(stage), pred=live)
+    _copy_page((kd, vd, ksd, kzd, vsd, vzd), (kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf), bars, stage,
+               gl.where(page_ok, page, 0) * HKV + h, live)
     return page_ok
 
 
@@ -240,7 +232,7 @@ def tma_history_kernel():
     import inspect
 
     from oscarkv.kernels import gluon_history_kernel
-    from probe_history_timeline import load_history_kernel
+    from probe_history_timeline import apply_edits, load_history_kernel
 
     source = inspect.getsource(gluon_history_kernel)
     for name in ("_page_slots", "_stage_page", "_staged_page"):
@@ -255,12 +247,10 @@ def tma_history_kernel():
         ("    slots = _page_slots(STAGES)\n", "    slots = _page_slots(STAGES, kd, vd, ksd, kzd, vsd, vzd)\n"),
         ("        async_copy.wait_group(STAGES - 2)  # this thread's copies of page index have landed\n",
          "        mbarrier.wait(slots[6].index(i % STAGES), (i // STAGES) & 1)\n"),
-        ("@gluon.jit\ndef history_kernel(", TMA_HELPERS + "\n@gluon.jit\ndef history_kernel("),
+        ("@gluon.jit\ndef history_kernel(", TMA_HELPERS + "\n" + inspect.getsource(_copy_page.fn)
+         + "\n\n@gluon.jit\ndef history_kernel("),
     ]
-    for old, new in edits:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    return load_history_kernel("tma_history_kernel", source)
+    return load_history_kernel("tma_history_kernel", apply_edits(source, edits))
 
 
 class WithDescriptors:
@@ -290,6 +280,7 @@ def kernel_main(shapes: str, stages: str, rounds: int) -> None:
 
     for shape in shapes.split(","):
         compare_variants(shape, variants, rounds, copy)
+
 
 if __name__ == "__main__":
     main()
