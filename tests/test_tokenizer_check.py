@@ -50,3 +50,27 @@ def test_embedded_model_tokenizer_passes():
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m")))
     whole, split = split_vocabulary_words(tokenizer)
     assert len(whole) >= 10 and split == []
+
+
+def test_a_conversion_gives_the_gguf_eos_and_pad_tokens():
+    """transformers 5.17 converts SmolLM2's GGUF with <|im_start|> as EOS and no pad token (later releases read
+    tokenizer.ggml.eos_token_id and padding_token_id), and such a tokenizer cannot pad a batch; the conversion
+    sets the tokens the GGUF declares (`set_gguf_special_tokens`), and leaves a pad token that is there alone."""
+    from transformers import AutoTokenizer
+
+    from oscarkv.assets import SMOLLM2_GGUF, asset_path
+    from oscarkv.models import resolve_model, set_gguf_special_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m")))
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")  # the converted directory's
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # as transformers 5.17 converts it
+    with pytest.raises(ValueError, match="padding token"):
+        tokenizer(["a", "a b c"], padding=True)
+    set_gguf_special_tokens(tokenizer, asset_path(SMOLLM2_GGUF))
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (2, 2)
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")
+    rows = tokenizer(["a", "a b c"], padding=True)["input_ids"]
+    assert len(rows[0]) == len(rows[1]) and 2 in rows[0]
+    tokenizer.pad_token = "<|im_start|>"
+    set_gguf_special_tokens(tokenizer, asset_path(SMOLLM2_GGUF))
+    assert tokenizer.pad_token == "<|im_start|>"

@@ -191,10 +191,39 @@ def check_tokenizer(tokenizer, source: str) -> None:
 # --- loading -------------------------------------------------------------------------------
 
 
+# Bumped when what a conversion writes changes, so that directories converted before are not reused
+# (2: the GGUF's EOS and pad tokens, `set_gguf_special_tokens`).
+CONVERSION = 2
+
+
 def _converted_dir(gguf: Path) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION}".encode()).hexdigest()[:16]
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def set_gguf_special_tokens(tokenizer, gguf: Path) -> None:
+    """Give the tokenizer the end-of-sequence token that the GGUF file declares (`tokenizer.ggml.eos_token_id`), and
+    its pad token (`tokenizer.ggml.padding_token_id`) where it has none. transformers 5.17 converts SmolLM2's GGUF
+    with <|im_start|> as its EOS and no pad token, so such a tokenizer cannot pad a batch (`tokenizer(texts,
+    padding=True)` raises) and ends completions at the wrong token; later releases read both keys. With this the same
+    GGUF gives the same tokenizer on every supported transformers."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def declared(key: str) -> str | None:
+        field = fields.get(key)
+        if field is None or not field.data:
+            return None
+        token_id = int(field.parts[field.data[0]][0])
+        return tokenizer.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tokenizer) else None
+
+    eos, pad = declared("tokenizer.ggml.eos_token_id"), declared("tokenizer.ggml.padding_token_id")
+    if eos is not None and tokenizer.eos_token != eos:
+        tokenizer.eos_token = eos
+    if pad is not None and tokenizer.pad_token_id is None:
+        tokenizer.pad_token = pad
 
 
 def _convert_gguf(gguf: Path) -> Path:
@@ -212,6 +241,7 @@ def _write_converted(gguf: Path, target: Path) -> None:
     print(f"oscarkv: converting {gguf.name} to a safetensors model directory (once) ...")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     check_tokenizer(tokenizer, gguf.name)
+    set_gguf_special_tokens(tokenizer, gguf)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
