@@ -7,6 +7,7 @@ plain vector loads (`probe_page_layout._read_history`, the decode plan and two p
 
 --kernel: the Gluon history kernel itself with its pages staged this way (`tma_history_kernel`, built from the
 shipped kernel's source), in the decode step, against the shipped kernel, with errors against the torch reference.
+Found: correct and slower (1x128K 35.0 us against 32.1; docs/data/tma-kernel-h200-s70.txt).
 
 Why: the Gluon history kernel's own copies (per-thread 16-byte cp.async, one commit group, a wait and a warp barrier
 a page), with every page's arithmetic removed, take 91-100% of its time at batch 1, and more staged pages read more
