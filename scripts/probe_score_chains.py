@@ -203,34 +203,40 @@ def main() -> None:
 
 def compare_variants(spec: str, variants_of, rounds: int, copy: float, splits: int = 0) -> None:
     """One decode layer of shape spec ("BxCONTEXT") through `ops.attend_step` with each history kernel of
-    variants_of(case) ({name: (kernel, staged pages)}, the first the baseline), in alternating CUDA-graph rounds;
-    prints each one's best time, share of the copy bandwidth `copy`, error against the torch reference and speed-up
-    over the first. splits: splits in all (0: the plan's)."""
+    variants_of(case) ({name: (kernel, staged pages[, splits[, register cap]])}, the first the baseline), in
+    alternating CUDA-graph rounds; prints each one's best time, share of the copy bandwidth `copy`, error against the
+    torch reference and speed-up over the first. splits: splits in all (0: the plan's), for the variants that do not
+    name their own; a variant's register cap replaces `gluon_history.REGISTER_CAP` while it runs."""
     from oscarkv.benchmarks.attention import decode_bytes, decode_case
     from oscarkv.kernels import gluon_history, gluon_history_kernel, reference
     from oscarkv.kernels.ops import attend_step, choose_splits
 
     from probe_history_timeline import alternating_times, step_errors
 
-    shipped, default_stages = gluon_history_kernel.history_kernel, gluon_history.STAGES
+    shipped, default_stages, default_cap = (gluon_history_kernel.history_kernel, gluon_history.STAGES,
+                                            gluon_history.REGISTER_CAP)
     batch, context = (int(x) for x in spec.split("x"))
     case = decode_case(batch, context)
     device = case.q.device
     assert gluon_history.takes(case.layer, case.step, 32, 0, device)
     splits = splits or choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
     ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5).float()
-    steps = {}
-    for name, (kernel, stages) in variants_of(case).items():
+    steps, own_splits = {}, {}
+    for name, variant in variants_of(case).items():
+        kernel, stages, n, cap = (*variant, 0, 0)[:4]
+        n = own_splits[name] = n or splits
         out = torch.zeros_like(case.q)
-        workspace = (torch.empty(batch, 32, splits, 128, device=device), torch.empty(batch, 32, splits, device=device))
+        workspace = (torch.empty(batch, 32, n, 128, device=device), torch.empty(batch, 32, n, device=device))
 
-        def fn(kernel=kernel, stages=stages, out=out, workspace=workspace):
+        def fn(kernel=kernel, stages=stages, n=n, cap=cap or default_cap, out=out, workspace=workspace):
             gluon_history_kernel.history_kernel, gluon_history.STAGES = kernel, stages
+            gluon_history.REGISTER_CAP = cap
             try:
-                attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
+                attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=n,
                             out=out, workspace=workspace, validate=False, history="gluon")
             finally:
                 gluon_history_kernel.history_kernel, gluon_history.STAGES = shipped, default_stages
+                gluon_history.REGISTER_CAP = default_cap
 
         steps[name] = (fn, out)
     errors, times = step_errors(steps, ref), alternating_times(steps, rounds)
@@ -238,7 +244,7 @@ def compare_variants(spec: str, variants_of, rounds: int, copy: float, splits: i
     base = min(times[next(iter(times))])
     for name in steps:
         us = min(times[name])
-        print(f"{spec:>10} splits {splits:3d}  {name:<28} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%}, "
+        print(f"{spec:>10} splits {own_splits[name]:3d}  {name:<28} {us:6.1f} us ({nbytes / us / 1e3 / copy:5.1%}, "
               f"err {errors[name]:.1e}, {base / us:.3f}x; rounds {' '.join(f'{t:.1f}' for t in times[name])})",
               flush=True)
     torch.cuda.empty_cache()
