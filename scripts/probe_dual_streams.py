@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import inspect
 
-import torch
-
 LOOP_START = "    slots = _page_slots(STAGES)\n"
 LOOP_END = "    async_copy.wait_group(0)\n"
 
@@ -150,10 +148,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
     from oscarkv.kernels import gluon_history, gluon_history_kernel
     from oscarkv.kernels.ops import choose_splits, window_plan
-    from probe_score_chains import compare_variants
+    from probe_score_chains import compare_shapes
 
     dual = dual_kernel()
 
@@ -171,10 +168,7 @@ def main() -> None:
             kernels[f"dual, {taken} history splits"] = (dual, 2, history + windows, args.cap)
         return kernels
 
-    copy = copy_bandwidth_gbs(torch.device("cuda"))
-    print(torch.cuda.get_device_name(), f"copy bandwidth {copy:.0f} GB/s", flush=True)
-    for spec in args.shapes.split(","):
-        compare_variants(spec, lambda case, spec=spec: variants(case, spec), args.rounds, copy)
+    compare_shapes(args.shapes, variants, args.rounds)
 
 
 if __name__ == "__main__":

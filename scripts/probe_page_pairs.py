@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import inspect
 
-import torch
-
 PROLOGUE = """    for j in gl.static_range(STAGES - 1):
         ok = _stage_page(gl.load(bt_row + gl.minimum(lo + j, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr,
                          vs_ptr, vz_ptr, slots, j, lo + j < hi, HKV, P)
@@ -79,17 +77,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
     from oscarkv.kernels import gluon_history, gluon_history_kernel
-    from probe_score_chains import compare_variants
+    from probe_score_chains import compare_shapes
 
     paired = pair_kernel()
     kernels = {"shipped @2": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
                **{f"pairs @{s}": (paired, s) for s in (int(x) for x in args.slots.split(","))}}
-    copy = copy_bandwidth_gbs(torch.device("cuda"))
-    print(torch.cuda.get_device_name(), f"copy bandwidth {copy:.0f} GB/s", flush=True)
-    for spec in args.shapes.split(","):
-        compare_variants(spec, lambda case: kernels, args.rounds, copy)
+    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
 
 
 if __name__ == "__main__":

@@ -27,30 +27,19 @@ from __future__ import annotations
 import argparse
 import inspect
 
-import torch
+from probe_history_claims import PROLOGUE as STAGED_PROLOGUE
+from probe_page_pairs import STEP as STAGED_STEP
 
-PROLOGUE = """    slots = _page_slots(STAGES)
-    last = gl.maximum(hi - 1, 0)
-    oks = 0  # bit j: whether the id of page index + j is valid
-    for j in gl.static_range(STAGES - 1):
-        ok = _stage_page(gl.load(bt_row + gl.minimum(lo + j, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr,
-                         vs_ptr, vz_ptr, slots, j, lo + j < hi, HKV, P)
-        oks = oks | (ok.to(gl.int32) << j)
-    ahead = gl.load(bt_row + gl.minimum(lo + STAGES - 1, last))
-"""
-REGISTER_PROLOGUE = """    last = gl.maximum(hi - 1, 0)
+# The shipped kernel's text that the variant replaces: its staging before the loop and at the top of each step.
+PROLOGUE = "    slots = _page_slots(STAGES)\n" + STAGED_PROLOGUE
+FIRST_PAGE = """    last = gl.maximum(hi - 1, 0)
     ok_next, kw_next, vw_next, ks_next, kz_next, vs_next, vz_next = _load_page(
         gl.load(bt_row + gl.minimum(lo, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, lo < hi,
         HKV, P)
-    ahead = gl.load(bt_row + gl.minimum(lo + 1, last))
 """
-STEP = """        async_copy.wait_group(STAGES - 2)  # this thread's copies of page index have landed
-        _warp_barrier()  # everyone's have, and everyone is done with the slot refilled below
-        ok = _stage_page(ahead, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots,
-                         (i + STAGES - 1) % STAGES, index + STAGES - 1 < hi, HKV, P)
-        oks = oks | (ok.to(gl.int32) << (STAGES - 1))
-        ahead = gl.load(bt_row + gl.minimum(index + STAGES, last))
-        kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw = _staged_page(slots, i % STAGES)
+REGISTER_PROLOGUE = FIRST_PAGE + """    ahead = gl.load(bt_row + gl.minimum(lo + 1, last))
+"""
+STEP = STAGED_STEP + """        kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw = _staged_page(slots, i % STAGES)
         page_ok = (oks & 1) != 0
         oks = oks >> 1
 """
@@ -63,11 +52,7 @@ REGISTER_STEP = """        kwords, vwords, ks_raw, kz_raw, vs_raw, vz_raw = kw_n
 """
 # Two pages ahead: the loads of page index + 2 are issued while page index is read, wherever the compiler puts
 # them in the step (ptxas puts a step's loads after its score dots, so one page ahead hides only half a page).
-REGISTER_PROLOGUE_2 = """    last = gl.maximum(hi - 1, 0)
-    ok_next, kw_next, vw_next, ks_next, kz_next, vs_next, vz_next = _load_page(
-        gl.load(bt_row + gl.minimum(lo, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, lo < hi,
-        HKV, P)
-    ok_far, kw_far, vw_far, ks_far, kz_far, vs_far, vz_far = _load_page(
+REGISTER_PROLOGUE_2 = FIRST_PAGE + """    ok_far, kw_far, vw_far, ks_far, kz_far, vs_far, vz_far = _load_page(
         gl.load(bt_row + gl.minimum(lo + 1, last)), num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
         lo + 1 < hi, HKV, P)
     ahead = gl.load(bt_row + gl.minimum(lo + 2, last))
@@ -159,17 +144,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
     from oscarkv.kernels import gluon_history, gluon_history_kernel
-    from probe_score_chains import compare_variants
+    from probe_score_chains import compare_shapes
 
     kernels = {"shipped @2": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
                "registers, 1 page ahead": (register_kernel(1), 2, 0, args.cap),
                "registers, 2 pages ahead": (register_kernel(2), 2, 0, args.cap)}
-    copy = copy_bandwidth_gbs(torch.device("cuda"))
-    print(torch.cuda.get_device_name(), f"copy bandwidth {copy:.0f} GB/s", flush=True)
-    for spec in args.shapes.split(","):
-        compare_variants(spec, lambda case: kernels, args.rounds, copy)
+    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
 
 
 if __name__ == "__main__":

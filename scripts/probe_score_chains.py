@@ -176,7 +176,6 @@ def main() -> None:
                              "outputs, bounds), each with 2, 3 and 4 staged pages")
     args = parser.parse_args()
 
-    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
     from oscarkv.kernels import gluon_history, gluon_history_kernel
 
     shipped = gluon_history_kernel.history_kernel
@@ -195,15 +194,23 @@ def main() -> None:
             ("shipped", shipped), ("2 chains", variant_kernel(2)), ("4 chains", variant_kernel(4)),
             ("speculative", variant_kernel(1, speculative=True)),
             ("speculative + 2 chains", variant_kernel(2, speculative=True)))}
+    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds, args.splits)
+
+
+def compare_shapes(shapes: str, variants_of, rounds: int, splits: int = 0) -> None:
+    """`compare_variants` for each shape of `shapes` ("BxCONTEXT,..."), after a line with the GPU and its copy
+    bandwidth."""
+    from oscarkv.benchmarks.attention import copy_bandwidth_gbs
+
     copy = copy_bandwidth_gbs(torch.device("cuda"))
     print(torch.cuda.get_device_name(), f"copy bandwidth {copy:.0f} GB/s", flush=True)
-    for spec in args.shapes.split(","):
-        compare_variants(spec, lambda case: kernels, args.rounds, copy, args.splits)
+    for spec in shapes.split(","):
+        compare_variants(spec, variants_of, rounds, copy, splits)
 
 
 def compare_variants(spec: str, variants_of, rounds: int, copy: float, splits: int = 0) -> None:
     """One decode layer of shape spec ("BxCONTEXT") through `ops.attend_step` with each history kernel of
-    variants_of(case) ({name: (kernel, staged pages[, splits[, register cap]])}, the first the baseline), in
+    variants_of(case, spec) ({name: (kernel, staged pages[, splits[, register cap]])}, the first the baseline), in
     alternating CUDA-graph rounds; prints each one's best time, share of the copy bandwidth `copy`, error against the
     torch reference and speed-up over the first. splits: splits in all (0: the plan's), for the variants that do not
     name their own; a variant's register cap replaces `gluon_history.REGISTER_CAP` while it runs."""
@@ -222,7 +229,7 @@ def compare_variants(spec: str, variants_of, rounds: int, copy: float, splits: i
     splits = splits or choose_splits(case.layer, batch, 1, 32, context, device, gluon=True)
     ref = reference.attention_reference(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5).float()
     steps, own_splits = {}, {}
-    for name, variant in variants_of(case).items():
+    for name, variant in variants_of(case, spec).items():
         kernel, stages, n, cap = (*variant, 0, 0)[:4]
         n = own_splits[name] = n or splits
         out = torch.zeros_like(case.q)

@@ -274,7 +274,7 @@ def kernel_main(shapes: str, stages: str, rounds: int) -> None:
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {copy:.0f} GB/s, Triton {triton.__version__}")
     tma_kernel = tma_history_kernel()
 
-    def variants(case):
+    def variants(case, spec):
         tma = WithDescriptors(tma_kernel, descriptors(case.layer))
         return {"shipped (cp.async), 2 slots": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
                 **{f"TMA, {s} slots": (tma, s) for s in (int(x) for x in stages.split(","))}}
