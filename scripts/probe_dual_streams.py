@@ -51,7 +51,8 @@ DUAL_LOOP = ("""    gl.static_assert(KEY_SHIFTS == 0, "the dual-stream probe has
     mb_run = gl.full([8], float("-inf"), gl.float32, HEADS)
     lb_part = _fold_rows(gl.zeros([64, 8], gl.float32, MMA))
     zb_acc = gl.zeros([WORDS, 8], gl.float32, MMA)
-""" + _slices("    bcc{s} = gl.zeros([WORDS, 8], gl.float32, MMA)\n") + """    for t in range(0, steps):
+""" + _slices("    bcc{s} = gl.zeros([WORDS, 8], gl.float32, MMA)\n") + """\
+    for t in range(0, steps):
         async_copy.wait_group(0)  # this thread's copies of both streams' pages t have landed
         _warp_barrier()  # everyone's have, and everyone is done with the slots refilled below
         next_a = _stage_page(ahead_a, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots, (t + 1) % 2,
@@ -73,7 +74,8 @@ DUAL_LOOP = ("""    gl.static_assert(KEY_SHIFTS == 0, "the dual-stream probe has
         da = gl.zeros([64, 8], gl.float32, MMA)
         db = gl.zeros([64, 8], gl.float32, MMA)
 """ + _slices("        da = mma_v2(_slice_units(ka, kha, {s}), qs{s}, da)\n"
-              "        db = mma_v2(_slice_units(kb, khb, {s}), qs{s}, db)\n") + """        sa = (gl.convert_layout(_page_rows(ks_a), ROWS, assert_trivial=True).to(gl.float32)[:, None]
+              "        db = mma_v2(_slice_units(kb, khb, {s}), qs{s}, db)\n") + """\
+        sa = (gl.convert_layout(_page_rows(ks_a), ROWS, assert_trivial=True).to(gl.float32)[:, None]
               * (da - gl.convert_layout(_page_rows(kz_a), ROWS, assert_trivial=True).to(gl.float32)[:, None]
                  * q_sum[None, :]) + gl.where(page_ok_a, 0.0, float("-inf")))
         sb = (gl.convert_layout(_page_rows(ks_b), ROWS, assert_trivial=True).to(gl.float32)[:, None]
@@ -93,7 +95,8 @@ DUAL_LOOP = ("""    gl.static_assert(KEY_SHIFTS == 0, "the dual-stream probe has
             z_acc = z_acc * alpha_a[None, :]
             zb_acc = zb_acc * alpha_b[None, :]
 """ + _slices("            acc{s} = acc{s} * alpha_a[None, :]\n"
-              "            bcc{s} = bcc{s} * alpha_b[None, :]\n") + """        m_run = ma_new
+              "            bcc{s} = bcc{s} * alpha_b[None, :]\n") + """\
+        m_run = ma_new
         mb_run = mb_new
         l_part = l_part + _fold_rows(pa)
         lb_part = lb_part + _fold_rows(pb)
@@ -108,7 +111,8 @@ DUAL_LOOP = ("""    gl.static_assert(KEY_SHIFTS == 0, "the dual-stream probe has
         vha = _high_bytes(va)
         vhb = _high_bytes(vb)
 """ + _slices("        acc{s} = mma_v2(_slice_units(va, vha, {s}), wa, acc{s})\n"
-              "        bcc{s} = mma_v2(_slice_units(vb, vhb, {s}), wb, bcc{s})\n") + """    async_copy.wait_group(0)
+              "        bcc{s} = mma_v2(_slice_units(vb, vhb, {s}), wb, bcc{s})\n") + """\
+    async_copy.wait_group(0)
     # the two streams merged by their maxima, as the combine merges splits
     m_all = gl.maximum(m_run, mb_run)
     m_all_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
@@ -117,7 +121,8 @@ DUAL_LOOP = ("""    gl.static_assert(KEY_SHIFTS == 0, "the dual-stream probe has
     l_part = (l_part * gl.convert_layout(alpha_a, gl.SliceLayout(0, l_part.type.layout))[None, :]
               + lb_part * gl.convert_layout(alpha_b, gl.SliceLayout(0, lb_part.type.layout))[None, :])
     z_acc = z_acc * alpha_a[None, :] + zb_acc * alpha_b[None, :]
-""" + _slices("    acc{s} = acc{s} * alpha_a[None, :] + bcc{s} * alpha_b[None, :]\n") + """    m_run = m_all
+""" + _slices("    acc{s} = acc{s} * alpha_a[None, :] + bcc{s} * alpha_b[None, :]\n") + """\
+    m_run = m_all
 """)
 
 

@@ -5,12 +5,13 @@ per shape, alternating CUDA-graph rounds, with each variant's error against the 
     PYTHONPATH=src:scripts python scripts/probe_page_pairs.py [1x131072,1x100000] [--slots 4,6] [--rounds 3]
 
 Why: the kernel's copies alone (no arithmetic) take 91-100% of its time at batch 1
-(docs/data/history-reads-h200-s69.txt), and more staged pages made them slower, while a read-only kernel with the
-same plan that asks for two pages a loop step reads at 86% of the copy bandwidth against 70% with one (25.0 -> 20.5
-us at 1x128K). Here each page's arithmetic is the shipped kernel's, unchanged; only the staging changes: SLOTS page
-slots (even), pages staged in pairs, SLOTS / 2 - 1 pairs in flight while a pair is read (4 slots: the next pair; 6:
-the next two). Shared memory: 4.6 KB a slot, so 4 slots take 18.4 KB a program (8 programs a multiprocessor at batch
-1 fit; 16 at 32 x 32K do not).
+(docs/data/history-reads-h200-s69.txt; revised in the seventy-first session: that variant still ran 63% of the
+kernel's instructions, docs/data/history-stalls-h200-s71.txt), and more staged pages made them slower, while a
+read-only kernel with the same plan that asks for two pages a loop step reads at 86% of the copy bandwidth against
+70% with one (25.0 -> 20.5 us at 1x128K). Here each page's arithmetic is the shipped kernel's, unchanged; only the
+staging changes: SLOTS page slots (even), pages staged in pairs, SLOTS / 2 - 1 pairs in flight while a pair is read
+(4 slots: the next pair; 6: the next two). Shared memory: 4.6 KB a slot, so 4 slots take 18.4 KB a program (8
+programs a multiprocessor at batch 1 fit; 16 at 32 x 32K do not).
 The variant is the shipped source changed by text (`pair_kernel`), loaded as a module of its own.
 Found: correct and slower at every shape (1x128K 37.6 / 39.7 us against 32.0; docs/data/page-pairs-h200-s70.txt).
 """
