@@ -9,7 +9,7 @@ programs a multiprocessor, but its split rule (`ops._gluon_history_splits`) keep
 `--stages` also varies the Gluon kernel's shared-memory slots of staged pages (`gluon_history.STAGES`, shipped 2).
 
     PYTHONPATH=src:scripts python scripts/probe_batch1_splits.py [--shapes 1x131072,1x100000] [--splits 198,264]
-        [--stages 2,3] [--rounds 3]
+        [--stages 2,3] [--rounds 3] [--once]
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--splits", default="198,264", help="history splits per KV head to force (besides shipped)")
     parser.add_argument("--stages", default="2", help="gluon_history.STAGES values to try with every split count")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--once", action="store_true",
+                        help="run each variant once, eagerly, untimed (for a profiler such as Nsight Compute)")
     args = parser.parse_args()
     variants = [(splits, int(stages)) for splits in [None] + [int(s) for s in args.splits.split(",") if s]
                 for stages in args.stages.split(",")]
@@ -56,6 +58,15 @@ def main() -> None:
         batch, context = (int(x) for x in shape.split("x"))
         case, _, _, ref, out = layer_case(shape)
         planned = [planned_step(case, out, batch, context, splits, stages) for splits, stages in variants]
+        if args.once:
+            for (splits, stages), (total, run) in zip(variants, planned):
+                out.zero_()
+                run()
+                torch.cuda.synchronize()
+                error = (out.float() - ref).abs().max().item()
+                print(f"{shape} {splits or 'shipped'} history splits, {stages} stages: {total} splits in all, "
+                      f"max abs error {error:.1e}", flush=True)
+            continue
         results = best_of_rounds([run for _, run in planned], out, ref, args.rounds)
         for (splits, stages), (total, _), (us, error) in zip(variants, planned, results):
             name = ("shipped splits" if splits is None else f"{splits} history splits") + f", {stages} stages"

@@ -1,0 +1,162 @@
+"""Developer tool (GPU): how fast one-warp programs issue the decode history kernel's score-dot instruction mix,
+alone, with no memory traffic: the INT2 code words unpacked by one 32-bit AND per two float16 operands, each
+operand fed to an mma.sync m16n8k16 (as `gluon_history_kernel` does for a page's key codes), at 4, 8 and 16
+programs a multiprocessor (one, two and four warps a scheduler).
+
+Why: the history kernel issues about half an instruction per scheduler and cycle, with two warps a scheduler at
+1x128K and four at 32x32K, while no pipe is near its peak (docs/kernels-log.md, "Where the warps wait"). This asks
+whether that rate belongs to the instruction mix itself. Modes, per loop step (8 slices of a [64, 16] word tile):
+- "and+mma": the shift of the high bytes and 8 x 16 ANDs feeding 8 x 4 mma into one [64, 8] accumulator (4
+  independent chains of 8, the score dot's shape);
+- "mma": the 32 mma alone, on two fixed operands;
+- "and": the ANDs alone, each folded into a running word by the same one instruction (lop3 x ^ (w & mask));
+- "and|mma": both, independent of each other (the ANDs of "and" beside the mma of "mma"): can the two pipes overlap
+  when no mma waits for an AND?
+Each step also XORs the words with the step's index (16 instructions: ptxas hoists the ANDs of fixed words out of
+the loop), where the kernel loads a page's words from shared memory (8 loads).
+
+    PYTHONPATH=src:scripts python scripts/probe_mix_ipc.py [--iters 4000] [--per-sm 4,8,16] [--modes and+mma,mma,and]
+        [--once]
+
+Prints, per mode and programs a multiprocessor: the loop's SASS instructions a step (counted from the cubin), the
+time, and the warp instructions issued per scheduler per nanosecond; divide by the SM clock in GHz (Nsight Compute
+reports it, or run under it) for instructions per cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+MODES = {"and+mma": 0, "mma": 1, "and": 2, "and|mma": 3}
+
+
+@gluon.jit
+def _and_units(w, MASK: gl.constexpr):
+    """(w & MASK) as float16 with the same bits, one AND per pair; non-pure, so it stays in the loop."""
+    mask = gl.full(w.shape, MASK, gl.int16, w.type.layout)
+    return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [w, mask], dtype=gl.float16, is_pure=False,
+                                     pack=2)
+
+
+@gluon.jit
+def _fold_and(x, w, MASK: gl.constexpr):
+    """x ^ (w & MASK), one lop3 per pair (the AND of `_and_units`, its result kept)."""
+    mask = gl.full(w.shape, MASK, gl.int16, w.type.layout)
+    return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0x78;", "=r,r,r,r", [x, w, mask], dtype=gl.int16,
+                                     is_pure=False, pack=2)
+
+
+@gluon.jit
+def _high(w):
+    return gl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [w], dtype=gl.int16, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _mix_kernel(w_ptr, q_ptr, out_ptr, word_out_ptr, ITERS: gl.constexpr, MODE: gl.constexpr):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, A))
+    words = gl.arange(0, 16, layout=gl.SliceLayout(0, A))
+    w = gl.load(w_ptr + rows[:, None] * 16 + words[None, :])
+    k = gl.arange(0, 16, layout=gl.SliceLayout(1, B))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
+    q = gl.load(q_ptr + k[:, None] * 8 + n[None, :])
+    acc = gl.zeros([64, 8], gl.float32, MMA)
+    x = w
+    if MODE == 1 or MODE == 3:
+        a0 = _and_units(w, 0x0303)
+        a1 = _and_units(w, 0x0C0C)
+    for i in range(ITERS):
+        if MODE != 1:  # new words every step (ptxas would hoist the ANDs of fixed words out of the loop)
+            w = w ^ gl.full(w.shape, 0, gl.int16, w.type.layout).__add__(i.to(gl.int16))
+        if MODE == 0:
+            h = _high(w)
+            acc = mma_v2(_and_units(w, 0x0003), q, acc)
+            acc = mma_v2(_and_units(w, 0x000C), q, acc)
+            acc = mma_v2(_and_units(w, 0x0030), q, acc)
+            acc = mma_v2(_and_units(w, 0x00C0), q, acc)
+            acc = mma_v2(_and_units(h, 0x0003), q, acc)
+            acc = mma_v2(_and_units(h, 0x000C), q, acc)
+            acc = mma_v2(_and_units(h, 0x0030), q, acc)
+            acc = mma_v2(_and_units(h, 0x00C0), q, acc)
+        if MODE == 1 or MODE == 3:
+            acc = mma_v2(a0, q, acc)
+            acc = mma_v2(a1, q, acc)
+            acc = mma_v2(a0, q, acc)
+            acc = mma_v2(a1, q, acc)
+            acc = mma_v2(a0, q, acc)
+            acc = mma_v2(a1, q, acc)
+            acc = mma_v2(a0, q, acc)
+            acc = mma_v2(a1, q, acc)
+        if MODE >= 2:
+            h = _high(w)
+            x = _fold_and(x, w, 0x0003)
+            x = _fold_and(x, w, 0x000C)
+            x = _fold_and(x, w, 0x0030)
+            x = _fold_and(x, w, 0x00C0)
+            x = _fold_and(x, h, 0x0003)
+            x = _fold_and(x, h, 0x000C)
+            x = _fold_and(x, h, 0x0030)
+            x = _fold_and(x, h, 0x00C0)
+    pid = gl.program_id(0)
+    m = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    c = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    gl.store(out_ptr + pid * 512 + m[:, None] * 8 + c[None, :], acc)
+    gl.store(word_out_ptr + pid * 1024 + rows[:, None] * 16 + words[None, :], x)
+
+
+def loop_instructions(kernel) -> float:
+    """SASS instructions a loop step of `_mix_kernel`: the lines from the loop's label to its backward branch,
+    divided by the times ptxas unrolled the step (32 mma a step, or else 16 high-byte shifts)."""
+    from oscarkv.kernels.compile_check import cubin_tool
+
+    text = cubin_tool("nvdisasm", kernel.asm["cubin"]).splitlines()
+    branch = next(i for i, line in enumerate(text) if re.search(r"BRA\s+`\(\.L_x_0\)", line))
+    head = next(i for i, line in enumerate(text) if line.strip() == ".L_x_0:")
+    body = [line for line in text[head:branch + 1] if re.search(r"/\*[0-9a-f]+\*/", line)]
+    mma = sum("HMMA" in line for line in body)
+    unroll = mma / 32 if mma else sum("SHF.R.U32.HI" in line for line in body) / 16
+    return len(body) / unroll
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=4000)
+    parser.add_argument("--per-sm", default="4,8,16")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--once", action="store_true", help="one launch each, untimed (under Nsight Compute)")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    print(f"{props.name}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}, iters {args.iters}")
+    w = torch.randint(-32768, 32767, (64, 16), dtype=torch.int16, device="cuda")
+    q = (torch.randn(16, 8, device="cuda") * 1e-3).half()
+    for mode in args.modes.split(","):
+        for per_sm in (int(p) for p in args.per_sm.split(",")):
+            programs = sms * per_sm
+            out = torch.empty(programs, 512, device="cuda")
+            words = torch.empty(programs, 1024, dtype=torch.int16, device="cuda")
+            launch = lambda: _mix_kernel[(programs,)](w, q, out, words, args.iters, MODES[mode], num_warps=1)  # noqa: E731
+            kernel = launch()
+            torch.cuda.synchronize()
+            per_step = loop_instructions(kernel)
+            if args.once:
+                print(f"{mode:8s} {per_sm:2d} programs/SM: {per_step:.1f} SASS a step", flush=True)
+                continue
+            us = triton.testing.do_bench(launch, warmup=3, rep=30) * 1e3
+            issued = per_step * args.iters * programs  # warp instructions of the loops
+            rate = issued / (sms * 4) / (us * 1e3)
+            print(f"{mode:8s} {per_sm:2d} programs/SM ({per_sm / 4:g} warps/scheduler): {per_step:.1f} SASS a step, "
+                  f"{us:9.1f} us, {rate:.3f} warp instructions per scheduler per ns", flush=True)
+
+
+if __name__ == "__main__":
+    main()
