@@ -18,7 +18,6 @@ shipped kernel's bit for bit (the same words reach the same registers).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 
 KEY_SMEM = """KEY_SMEM: gl.constexpr = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
@@ -45,26 +44,9 @@ def lines_kernel():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,8x32768,32x32768")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--once", action="store_true",
-                        help="instead: the shipped and the variant kernel's decode step once each, eagerly (for a "
-                             "profiler such as Nsight Compute), at the first shape")
-    args = parser.parse_args()
+    from probe_l2_pages import variant_main
 
-    from oscarkv.kernels import gluon_history, gluon_history_kernel
-    from probe_l2_pages import run_once
-    from probe_score_chains import compare_shapes
-
-    variant = lines_kernel()
-    if args.once:
-        run_once(args.shapes.split(",")[0], [gluon_history_kernel.history_kernel, variant])
-        return
-    kernels = {"shipped": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
-               "key copies in whole lines": (variant, gluon_history.STAGES),
-               "the same, 128 registers": (variant, gluon_history.STAGES, 0, 128)}
-    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
+    variant_main(__doc__, lines_kernel, "key copies in whole lines")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,13 @@ def l2_kernel():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    variant_main(__doc__, l2_kernel, "page after next into L2")
+
+
+def variant_main(doc: str, make_variant, name: str) -> None:
+    """The command line of a one-variant probe: the shipped kernel against `make_variant()` (also capped at 128
+    registers, the cap 16 programs a multiprocessor need) over the shapes, or, with --once, each once for a profiler."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,8x32768,32x32768")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--once", action="store_true",
@@ -75,13 +81,13 @@ def main() -> None:
     from oscarkv.kernels import gluon_history, gluon_history_kernel
     from probe_score_chains import compare_shapes
 
-    variant = l2_kernel()
-    kernels = {"shipped": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
-               "page after next into L2": (variant, gluon_history.STAGES),
-               "the same, 128 registers": (variant, gluon_history.STAGES, 0, 128)}
+    variant = make_variant()
     if args.once:
         run_once(args.shapes.split(",")[0], [gluon_history_kernel.history_kernel, variant])
         return
+    kernels = {"shipped": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
+               name: (variant, gluon_history.STAGES),
+               "the same, 128 registers": (variant, gluon_history.STAGES, 0, 128)}
     compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
 
 

@@ -85,33 +85,15 @@ def _mix_kernel(w_ptr, q_ptr, out_ptr, word_out_ptr, ITERS: gl.constexpr, MODE: 
             w = w ^ gl.full(w.shape, 0, gl.int16, w.type.layout).__add__(i.to(gl.int16))
         if MODE == 0:
             h = _high(w)
-            acc = mma_v2(_and_units(w, 0x0003), q, acc)
-            acc = mma_v2(_and_units(w, 0x000C), q, acc)
-            acc = mma_v2(_and_units(w, 0x0030), q, acc)
-            acc = mma_v2(_and_units(w, 0x00C0), q, acc)
-            acc = mma_v2(_and_units(h, 0x0003), q, acc)
-            acc = mma_v2(_and_units(h, 0x000C), q, acc)
-            acc = mma_v2(_and_units(h, 0x0030), q, acc)
-            acc = mma_v2(_and_units(h, 0x00C0), q, acc)
+            for s in gl.static_range(8):
+                acc = mma_v2(_and_units(w if s < 4 else h, 3 << (2 * (s % 4))), q, acc)
         if MODE == 1 or MODE == 3:
-            acc = mma_v2(a0, q, acc)
-            acc = mma_v2(a1, q, acc)
-            acc = mma_v2(a0, q, acc)
-            acc = mma_v2(a1, q, acc)
-            acc = mma_v2(a0, q, acc)
-            acc = mma_v2(a1, q, acc)
-            acc = mma_v2(a0, q, acc)
-            acc = mma_v2(a1, q, acc)
+            for s in gl.static_range(8):
+                acc = mma_v2(a0 if s % 2 == 0 else a1, q, acc)
         if MODE >= 2:
             h = _high(w)
-            x = _fold_and(x, w, 0x0003)
-            x = _fold_and(x, w, 0x000C)
-            x = _fold_and(x, w, 0x0030)
-            x = _fold_and(x, w, 0x00C0)
-            x = _fold_and(x, h, 0x0003)
-            x = _fold_and(x, h, 0x000C)
-            x = _fold_and(x, h, 0x0030)
-            x = _fold_and(x, h, 0x00C0)
+            for s in gl.static_range(8):
+                x = _fold_and(x, w if s < 4 else h, 3 << (2 * (s % 4)))
     pid = gl.program_id(0)
     m = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -161,14 +143,8 @@ def _wgmma_mix_kernel(w_ptr, q_ptr, out_ptr, ITERS: gl.constexpr, MODE: gl.const
             acc = warpgroup_mma(a7, q_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc, a0, a1, a2, a3, a4, a5, a6, a7])[0]
         else:
-            acc = warpgroup_mma(f0, q_smem, acc, is_async=True)
-            acc = warpgroup_mma(f1, q_smem, acc, is_async=True)
-            acc = warpgroup_mma(f0, q_smem, acc, is_async=True)
-            acc = warpgroup_mma(f1, q_smem, acc, is_async=True)
-            acc = warpgroup_mma(f0, q_smem, acc, is_async=True)
-            acc = warpgroup_mma(f1, q_smem, acc, is_async=True)
-            acc = warpgroup_mma(f0, q_smem, acc, is_async=True)
-            acc = warpgroup_mma(f1, q_smem, acc, is_async=True)
+            for s in gl.static_range(8):
+                acc = warpgroup_mma(f0 if s % 2 == 0 else f1, q_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc, f0, f1])[0]
     pid = gl.program_id(0)
     m = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))

@@ -35,7 +35,8 @@ def summarize(path: str) -> None:
             if metric in header:
                 value = row[header.index(metric)]
                 if name == "us":
-                    scale = {"ms": 1e3, "msecond": 1e3, "ns": 1e-3, "nsecond": 1e-3}.get(rows[1][header.index(metric)], 1)
+                    unit = rows[1][header.index(metric)]
+                    scale = {"ms": 1e3, "msecond": 1e3, "ns": 1e-3, "nsecond": 1e-3}.get(unit, 1)
                     value = f"{number(value) * scale:.1f}"
                 elif name == "GHz":
                     value = f"{number(value):.2f}"
