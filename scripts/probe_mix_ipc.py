@@ -13,8 +13,9 @@ whether that rate belongs to the instruction mix itself. Modes, per loop step (8
 - "and|mma": both, independent of each other (the ANDs of "and" beside the mma of "mma"): can the two pipes overlap
   when no mma waits for an AND?
 - "and+wgmma", "wgmma": "and+mma" and "mma" as programs of one warpgroup (4 warps), each warp unpacking its 16 rows
-  of the tile and the 8 dots a step as asynchronous wgmma m64n8k16 (A from registers), waited once a step: the same
-  work as 4 one-warp programs' steps, in the instruction Hopper's tensor cores run at full rate.
+  of the tile and the 8 dots a step as asynchronous wgmma m64n8k16 (A from registers), waited once a step: a step
+  does the same tile as a one-warp program's step, with the instruction that runs Hopper's tensor cores at full rate
+  for wide tiles.
 Each step also XORs the words with the step's index (16 instructions: ptxas hoists the ANDs of fixed words out of
 the loop), where the kernel loads a page's words from shared memory (8 loads).
 
@@ -25,6 +26,11 @@ Prints, per mode and warps a multiprocessor (4, 8, 16: one-warp programs, or 1, 
 instructions a warp and step (counted from the cubin), the time, the warp instructions issued per scheduler per
 nanosecond (divide by the SM clock in GHz, which Nsight Compute reports, for instructions per cycle), and the word
 tiles done per multiprocessor and microsecond (the measure that compares one-warp and warpgroup programs).
+
+Found (H200, docs/data/mix-ipc-h200-s72.txt, docs/data/wgmma-mix-h200-s72.txt): an mma.sync takes the tensor pipe 6
+cycles a scheduler, an ALU instruction the ALU pipe 2, and an mma.sync holds the ALU work beside it about 2 cycles;
+the dependent mix issues 0.27 / 0.40 / 0.45 instructions a cycle with 1 / 2 / 4 warps a scheduler. At N = 8 a wgmma
+does less than half of mma.sync's dot work per unit of time, and with the unpacking it is no faster.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ token 8(k % 8) + k // 8, the order of the score dot's rows), the 16-byte pieces 
 8x8 matrix fall in 8 bank groups, and the value dot's row m' becomes word m' (the partial output's channels follow).
 Compiled for sm_90 with Triton 3.6 the page loop has 4 LDSM instead of 16 LDS, 8 PRMT instead of 24, 699 instructions
 instead of 723, and 130 registers (124 capped at 128, no spills: the cap that 16 programs a multiprocessor need).
+Found: correct and 1-3% slower at every shape, read late or early, capped or not (docs/data/value-ldmatrix-h200-s72.txt).
 The variant is the shipped source changed by text, loaded as a module of its own; the same words reach the same
 ANDs, so its outputs are the shipped kernel's bit for bit.
 """
