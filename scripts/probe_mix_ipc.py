@@ -45,29 +45,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from oscarkv.kernels.gluon_history_kernel import _high_bytes, _masked_units  # the kernel's own unpacking
+
 MODES = {"and+mma": 0, "mma": 1, "and": 2, "and|mma": 3}
 WGMMA_MODES = {"and+wgmma": 0, "wgmma": 1}
 
 
 @gluon.jit
-def _and_units(w, MASK: gl.constexpr):
-    """(w & MASK) as float16 with the same bits, one AND per pair; non-pure, so it stays in the loop."""
-    mask = gl.full(w.shape, MASK, gl.int16, w.type.layout)
-    return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [w, mask], dtype=gl.float16, is_pure=False,
-                                     pack=2)
-
-
-@gluon.jit
 def _fold_and(x, w, MASK: gl.constexpr):
-    """x ^ (w & MASK), one lop3 per pair (the AND of `_and_units`, its result kept)."""
+    """x ^ (w & MASK), one lop3 per pair (the AND of `_masked_units`, its result kept); non-pure, so it stays."""
     mask = gl.full(w.shape, MASK, gl.int16, w.type.layout)
     return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0x78;", "=r,r,r,r", [x, w, mask], dtype=gl.int16,
                                      is_pure=False, pack=2)
-
-
-@gluon.jit
-def _high(w):
-    return gl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [w], dtype=gl.int16, is_pure=False, pack=2)
 
 
 @gluon.jit
@@ -84,20 +73,20 @@ def _mix_kernel(w_ptr, q_ptr, out_ptr, word_out_ptr, ITERS: gl.constexpr, MODE: 
     acc = gl.zeros([64, 8], gl.float32, MMA)
     x = w
     if MODE == 1 or MODE == 3:
-        a0 = _and_units(w, 0x0303)
-        a1 = _and_units(w, 0x0C0C)
+        a0 = _masked_units(w, 0x0303)
+        a1 = _masked_units(w, 0x0C0C)
     for i in range(ITERS):
         if MODE != 1:  # new words every step (ptxas would hoist the ANDs of fixed words out of the loop)
             w = w ^ gl.full(w.shape, 0, gl.int16, w.type.layout).__add__(i.to(gl.int16))
         if MODE == 0:
-            h = _high(w)
+            h = _high_bytes(w)
             for s in gl.static_range(8):
-                acc = mma_v2(_and_units(w if s < 4 else h, 3 << (2 * (s % 4))), q, acc)
+                acc = mma_v2(_masked_units(w if s < 4 else h, 3 << (2 * (s % 4))), q, acc)
         if MODE == 1 or MODE == 3:
             for s in gl.static_range(8):
                 acc = mma_v2(a0 if s % 2 == 0 else a1, q, acc)
         if MODE >= 2:
-            h = _high(w)
+            h = _high_bytes(w)
             for s in gl.static_range(8):
                 x = _fold_and(x, w if s < 4 else h, 3 << (2 * (s % 4)))
     pid = gl.program_id(0)
@@ -125,20 +114,20 @@ def _wgmma_mix_kernel(w_ptr, q_ptr, out_ptr, ITERS: gl.constexpr, MODE: gl.const
                                        q)
     fence_async_shared()
     acc = gl.zeros([64, 8], gl.float32, ACC)
-    f0 = _and_units(w, 0x0303)
-    f1 = _and_units(w, 0x0C0C)
+    f0 = _masked_units(w, 0x0303)
+    f1 = _masked_units(w, 0x0C0C)
     for i in range(ITERS):
         if MODE == 0:
             w = w ^ gl.full(w.shape, 0, gl.int16, w.type.layout).__add__(i.to(gl.int16))
-            h = _high(w)
-            a0 = _and_units(w, 0x0003)
-            a1 = _and_units(w, 0x000C)
-            a2 = _and_units(w, 0x0030)
-            a3 = _and_units(w, 0x00C0)
-            a4 = _and_units(h, 0x0003)
-            a5 = _and_units(h, 0x000C)
-            a6 = _and_units(h, 0x0030)
-            a7 = _and_units(h, 0x00C0)
+            h = _high_bytes(w)
+            a0 = _masked_units(w, 0x0003)
+            a1 = _masked_units(w, 0x000C)
+            a2 = _masked_units(w, 0x0030)
+            a3 = _masked_units(w, 0x00C0)
+            a4 = _masked_units(h, 0x0003)
+            a5 = _masked_units(h, 0x000C)
+            a6 = _masked_units(h, 0x0030)
+            a7 = _masked_units(h, 0x00C0)
             acc = warpgroup_mma(a0, q_smem, acc, is_async=True)
             acc = warpgroup_mma(a1, q_smem, acc, is_async=True)
             acc = warpgroup_mma(a2, q_smem, acc, is_async=True)
