@@ -2,7 +2,7 @@
 (a multiply-high, IMAD.HI) instead of the ALU pipe (SHF), against the shipped kernel, one decode layer per shape,
 alternating CUDA-graph rounds, with each variant's error against the torch reference.
 
-    PYTHONPATH=src:scripts python scripts/probe_fma_shift.py [1x131072,1x100000,8x32768,32x32768] [--rounds 3]
+    PYTHONPATH=src:scripts python scripts/probe_fma_shift.py [1x131072,1x100000,8x32768,32x32768] [--rounds 3] [--once]
 
 Why: `scripts/probe_mix_ipc.py` (docs/data/mix-ipc-h200-s72.txt) found that on the H200 the ALU instructions and
 the mma.sync of the page loop share one issue limit of about two cycles each (ANDs alone issue at 0.50 a cycle,
@@ -17,7 +17,6 @@ Found: correct and 1.6-3.8% slower at every shape (docs/data/fma-shift-h200-s72.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 
 HIGH_BYTES = '''@gluon.jit
@@ -53,17 +52,10 @@ def fma_shift_kernel():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,8x32768,32x32768")
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    from oscarkv.kernels import gluon_history
+    from probe_score_chains import variant_main
 
-    from oscarkv.kernels import gluon_history, gluon_history_kernel
-    from probe_score_chains import compare_shapes
-
-    kernels = {"shipped": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
-               "shifts on the FMA pipe": (fma_shift_kernel(), gluon_history.STAGES)}
-    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
+    variant_main(__doc__, lambda: {"shifts on the FMA pipe": (fma_shift_kernel(), gluon_history.STAGES)})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ torch reference.
     PYTHONPATH=src:scripts python scripts/probe_key_copy_lines.py [1x131072,1x100000,8x32768,32x32768] [--rounds 3]
 
 Why: under Nsight Compute the shipped history launch at 1x128K keeps the L2 busier than the DRAM (L2 69% of its
-peak, its tag lookups 62%, DRAM 54%; docs/data/l2-pages-ncu-h200-s72.txt), and an L2 prefetch that added requests
+peak, its tag lookups 62%, DRAM 54%; docs/data/l2-pages-h200-s72.txt), and an L2 prefetch that added requests
 made it slower. The shipped key copy (`KEY_COPY`) gives each cp.async instruction the even (or odd) rows of 16 tokens:
 half of each 128-byte line (4 tokens of 32 bytes), so every line of key codes is asked for twice. The value copy
 already covers whole lines. The variant's key copy gives the 32 lanes of one instruction 16 consecutive tokens (512
@@ -45,9 +45,15 @@ def lines_kernel():
 
 
 def main() -> None:
-    from probe_l2_pages import variant_main
+    from oscarkv.kernels import gluon_history
+    from probe_score_chains import variant_main
 
-    variant_main(__doc__, lines_kernel, "key copies in whole lines")
+    def variants():
+        variant = lines_kernel()
+        return {"key copies in whole lines": (variant, gluon_history.STAGES),
+                "the same, 128 registers": (variant, gluon_history.STAGES, 0, 128)}
+
+    variant_main(__doc__, variants)
 
 
 if __name__ == "__main__":

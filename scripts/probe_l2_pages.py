@@ -18,7 +18,6 @@ peak (docs/data/l2-pages-h200-s72.txt).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 
 PREFETCH_HELPER_AT = "@gluon.jit\ndef _program_terms("
@@ -66,54 +65,15 @@ def l2_kernel():
 
 
 def main() -> None:
-    variant_main(__doc__, l2_kernel, "page after next into L2")
+    from oscarkv.kernels import gluon_history
+    from probe_score_chains import variant_main
 
+    def variants():
+        variant = l2_kernel()
+        return {"page after next into L2": (variant, gluon_history.STAGES),
+                "the same, 128 registers": (variant, gluon_history.STAGES, 0, 128)}
 
-def variant_main(doc: str, make_variant, name: str) -> None:
-    """The command line of a one-variant probe: the shipped kernel against `make_variant()` (also capped at 128
-    registers, the cap 16 programs a multiprocessor need) over the shapes, or, with --once, each once for a profiler."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,8x32768,32x32768")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--once", action="store_true",
-                        help="instead: the shipped and the variant kernel's decode step once each, eagerly (for a "
-                             "profiler such as Nsight Compute), at the first shape")
-    args = parser.parse_args()
-
-    from oscarkv.kernels import gluon_history, gluon_history_kernel
-    from probe_score_chains import compare_shapes
-
-    variant = make_variant()
-    if args.once:
-        run_once(args.shapes.split(",")[0], [gluon_history_kernel.history_kernel, variant])
-        return
-    kernels = {"shipped": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
-               name: (variant, gluon_history.STAGES),
-               "the same, 128 registers": (variant, gluon_history.STAGES, 0, 128)}
-    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
-
-
-def run_once(spec: str, kernels: list) -> None:
-    """One decode layer of shape spec through `ops.attend_step` once with each history kernel, eagerly."""
-    import torch
-
-    from oscarkv.benchmarks.attention import decode_case
-    from oscarkv.kernels import gluon_history_kernel
-    from oscarkv.kernels.ops import attend_step, choose_splits
-
-    shipped = gluon_history_kernel.history_kernel
-    batch, context = (int(x) for x in spec.split("x"))
-    case = decode_case(batch, context)
-    splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=True)
-    out = torch.zeros_like(case.q)
-    for kernel in kernels:
-        gluon_history_kernel.history_kernel = kernel
-        try:
-            attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
-                        out=out, validate=False, history="gluon")
-            torch.cuda.synchronize()
-        finally:
-            gluon_history_kernel.history_kernel = shipped
+    variant_main(__doc__, variants)
 
 
 if __name__ == "__main__":

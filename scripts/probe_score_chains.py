@@ -257,5 +257,49 @@ def compare_variants(spec: str, variants_of, rounds: int, copy: float, splits: i
     torch.cuda.empty_cache()
 
 
+def variant_main(doc: str, variants) -> None:
+    """The command line of a probe of history-kernel variants: the shipped kernel against variants() ({name: (kernel,
+    staged pages[, splits[, register cap]])}, as `compare_variants` takes them) over the shapes, or with --once each
+    distinct kernel's decode step once, eagerly, for a profiler."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,8x32768,32x32768")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--once", action="store_true",
+                        help="instead: the shipped and each variant kernel's decode step once, eagerly (for a "
+                             "profiler such as Nsight Compute), at the first shape")
+    args = parser.parse_args()
+
+    from oscarkv.kernels import gluon_history, gluon_history_kernel
+
+    shipped = gluon_history_kernel.history_kernel
+    kernels = {"shipped": (shipped, gluon_history.STAGES), **variants()}
+    if args.once:
+        distinct = list(dict.fromkeys(variant[0] for variant in kernels.values()))
+        run_once(args.shapes.split(",")[0], distinct)
+        return
+    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
+
+
+def run_once(spec: str, kernels: list) -> None:
+    """One decode layer of shape spec through `ops.attend_step` once with each history kernel, eagerly."""
+    from oscarkv.benchmarks.attention import decode_case
+    from oscarkv.kernels import gluon_history_kernel
+    from oscarkv.kernels.ops import attend_step, choose_splits
+
+    shipped = gluon_history_kernel.history_kernel
+    batch, context = (int(x) for x in spec.split("x"))
+    case = decode_case(batch, context)
+    splits = choose_splits(case.layer, batch, 1, 32, context, case.q.device, gluon=True)
+    out = torch.zeros_like(case.q)
+    for kernel in kernels:
+        gluon_history_kernel.history_kernel = kernel
+        try:
+            attend_step(case.layer, case.step, case.q, case.k_new, case.v_new, 128 ** -0.5, num_splits=splits,
+                        out=out, validate=False, history="gluon")
+            torch.cuda.synchronize()
+        finally:
+            gluon_history_kernel.history_kernel = shipped
+
+
 if __name__ == "__main__":
     main()

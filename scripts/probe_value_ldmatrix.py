@@ -2,7 +2,7 @@
 with transpose (LDSM.16.MT88.4) straight into the value dot's A operand, against the shipped kernel, one decode layer
 per shape, alternating CUDA-graph rounds, with each variant's error against the torch reference.
 
-    PYTHONPATH=src:scripts python scripts/probe_value_ldmatrix.py [1x131072,1x100000,8x32768,32x32768] [--rounds 3]
+    PYTHONPATH=src:scripts python scripts/probe_value_ldmatrix.py [1x131072,1x100000,8x32768,32x32768] [--rounds 3] [--once]
 
 Why: the value dot's A operand pairs the same code word of two tokens in each register, while a staged page holds a
 token's words side by side. The shipped kernel reads the value words with 16 32-bit shared loads a page and pairs
@@ -22,7 +22,6 @@ ANDs, so its outputs are the shipped kernel's bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 
 SMEM = '''VALUE_SMEM: gl.constexpr = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
@@ -63,21 +62,17 @@ def ldmatrix_kernel(early: bool = False):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="?", default="1x131072,1x100000,8x32768,32x32768")
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    from oscarkv.kernels import gluon_history
+    from probe_score_chains import variant_main
 
-    from oscarkv.kernels import gluon_history, gluon_history_kernel
-    from probe_score_chains import compare_shapes
+    def variants():
+        late, early = ldmatrix_kernel(), ldmatrix_kernel(early=True)
+        return {"values by ldmatrix.trans": (late, gluon_history.STAGES),
+                "the same, 128 registers": (late, gluon_history.STAGES, 0, 128),
+                "ldmatrix at the step's top": (early, gluon_history.STAGES),
+                "the same, 128 registers ": (early, gluon_history.STAGES, 0, 128)}
 
-    late, early = ldmatrix_kernel(), ldmatrix_kernel(early=True)
-    kernels = {"shipped": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
-               "values by ldmatrix.trans": (late, gluon_history.STAGES),
-               "the same, 128 registers": (late, gluon_history.STAGES, 0, 128),
-               "ldmatrix at the step's top": (early, gluon_history.STAGES),
-               "the same, 128 registers ": (early, gluon_history.STAGES, 0, 128)}
-    compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds)
+    variant_main(__doc__, variants)
 
 
 if __name__ == "__main__":
