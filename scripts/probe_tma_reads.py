@@ -226,14 +226,14 @@ def _cut_function(source: str, name: str) -> str:
     return source[:start] + source[end:]
 
 
-def tma_history_kernel():
-    """The shipped history kernel with its pages staged by the TMA (`TMA_HELPERS` in place of `_page_slots`,
-    `_stage_page` and `_staged_page`; each slot waited on by its mbarrier instead of cp.async groups), taking the
-    layer's descriptors (`descriptors`) as keyword arguments kd .. vzd; loaded as a module of its own."""
+def tma_kernel_source(helpers: str, more_edits=()) -> str:
+    """The shipped history kernel's source with `helpers` (Gluon functions `_page_slots`, `_stage_page` and
+    `_staged_page` of the TMA's slots) in place of its own, each slot waited on by its mbarrier instead of cp.async
+    groups, taking a layer's descriptors as keyword arguments kd .. vzd; then the (old, new) texts of more_edits."""
     import inspect
 
     from oscarkv.kernels import gluon_history_kernel
-    from probe_history_timeline import apply_edits, load_history_kernel
+    from probe_history_timeline import apply_edits
 
     source = inspect.getsource(gluon_history_kernel)
     for name in ("_page_slots", "_stage_page", "_staged_page"):
@@ -248,10 +248,21 @@ def tma_history_kernel():
         ("    slots = _page_slots(STAGES)\n", "    slots = _page_slots(STAGES, kd, vd, ksd, kzd, vsd, vzd)\n"),
         ("        async_copy.wait_group(STAGES - 2)  # this thread's copies of page index have landed\n",
          "        mbarrier.wait(slots[6].index(i % STAGES), (i // STAGES) & 1)\n"),
-        ("@gluon.jit\ndef history_kernel(", TMA_HELPERS + "\n" + inspect.getsource(_copy_page.fn)
-         + "\n\n@gluon.jit\ndef history_kernel("),
+        ("@gluon.jit\ndef history_kernel(", helpers + "\n\n@gluon.jit\ndef history_kernel("),
     ]
-    return load_history_kernel("tma_history_kernel", apply_edits(source, edits))
+    return apply_edits(source, [*edits, *more_edits])
+
+
+def tma_history_kernel():
+    """The shipped history kernel with its pages staged by the TMA (`TMA_HELPERS` and `_copy_page`,
+    `tma_kernel_source`), taking the layer's descriptors (`descriptors`) as keyword arguments kd .. vzd; loaded as a
+    module of its own."""
+    import inspect
+
+    from probe_history_timeline import load_history_kernel
+
+    return load_history_kernel("tma_history_kernel",
+                               tma_kernel_source(TMA_HELPERS + "\n" + inspect.getsource(_copy_page.fn)))
 
 
 class WithDescriptors:

@@ -35,106 +35,43 @@ from probe_score_chains import compare_shapes, run_once
 KEY_ROW = [8 * (t % 8) + t // 8 for t in range(64)]
 VALUE_ROW = [4 * (t % 16) + t // 16 for t in range(64)]
 
-HELPERS = '''
-_copy = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-# The key / value words as stored (row-major, permuted token order; see probe_tma_rows): thread (g, c) reads stored
+# The key / value words as stored (row-major, permuted token order; see the module doc): thread (g, c) reads stored
 # rows 8j + g (keys, register bits j) and 4r + c (values, register bits r), the same words as KEY_LOAD / VALUE_LOAD.
+STORED_LAYOUTS = '''
 KEY_STORED: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0], [32, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
     warp_bases=[], block_bases=[], shape=[64, 16]))
 VALUE_STORED: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [4, 0], [8, 0], [16, 0], [32, 0]], lane_bases=[[1, 0], [2, 0], [0, 2], [0, 4], [0, 8]],
     warp_bases=[], block_bases=[], shape=[64, 16]))
-
-
-@gluon.jit
-def _copy_page(descs, bufs, bars, slot, block, live):
-    """Page `block` (page id * HKV + KV head) into slot `slot` by six TMA copies on the slot's mbarrier."""
-    kd, vd, ksd, kzd, vsd, vzd = descs
-    kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf = bufs
-    bar = bars.index(slot)
-    mbarrier.expect(bar, 2 * 64 * 32 + 4 * 64 * 2, pred=live)
-    _copy(kd, [block * 64, 0], bar, kbuf.index(slot), pred=live)
-    _copy(vd, [block * 64, 0], bar, vbuf.index(slot), pred=live)
-    _copy(ksd, [block, 0], bar, ksbuf.index(slot), pred=live)
-    _copy(kzd, [block, 0], bar, kzbuf.index(slot), pred=live)
-    _copy(vsd, [block, 0], bar, vsbuf.index(slot), pred=live)
-    _copy(vzd, [block, 0], bar, vzbuf.index(slot), pred=live)
-
-
-@gluon.jit
-def _page_slots(STAGES: gl.constexpr, kd, vd, ksd, kzd, vsd, vzd):
-    """STAGES slots of staged pages in the TMA's layouts, one mbarrier each, and the descriptors."""
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
-    return (gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], kd.layout),
-            gl.allocate_shared_memory(gl.int16, [STAGES, 64, WORDS], vd.layout),
-            gl.allocate_shared_memory(gl.float16, [STAGES, 1, 64], ksd.layout),
-            gl.allocate_shared_memory(gl.float16, [STAGES, 1, 64], kzd.layout),
-            gl.allocate_shared_memory(gl.float16, [STAGES, 1, 64], vsd.layout),
-            gl.allocate_shared_memory(gl.float16, [STAGES, 1, 64], vzd.layout),
-            bars, kd, vd, ksd, kzd, vsd, vzd)
-
-
-@gluon.jit
-def _stage_page(page, num_pages, h, kc16, vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots, stage, live,
-                HKV: gl.constexpr, P: gl.constexpr):
-    """One history page into slot `stage` by six TMA copies (none where not `live`); returns whether its id is
-    valid (an id out of range reads page 0, and the caller masks its scores)."""
-    kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf, bars, kd, vd, ksd, kzd, vsd, vzd = slots
-    page_ok = (page >= 0) & (page < num_pages)
-    _copy_page((kd, vd, ksd, kzd, vsd, vzd), (kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf), bars, stage,
-               gl.where(page_ok, page, 0) * HKV + h, live)
-    return page_ok
-
-
-@gluon.jit
-def _staged_page(slots, at):
-    """Slot `at` in registers, in the shipped load layouts: the stored rows read conflict-free, then relabelled by
-    token (stored row 8j + g is key token 8g + j; stored row 4r + c is value token 16c + r)."""
-    kbuf, vbuf, ksbuf, kzbuf, vsbuf, vzbuf, bars, kd, vd, ksd, kzd, vsd, vzd = slots
-    k = kbuf.index(at).load(KEY_STORED)
+'''
+# `probe_tma_reads.TMA_HELPERS`' `_staged_page` reads the slots straight into KEY_LOAD / VALUE_LOAD; this one reads the
+# stored rows conflict-free and relabels them by token (stored row 8j + g is key token 8g + j, 4r + c value token
+# 16c + r).
+STAGED_PAGE = [('''    """Slot `at` in registers, in the load layouts (as the shipped `_staged_page`)."""
+''', '''    """Slot `at` in registers, in the load layouts: the stored rows read without bank conflicts, by token."""
+'''), ('''    return (kbuf.index(at).load(KEY_LOAD), vbuf.index(at).load(VALUE_LOAD),
+''', '''    k = kbuf.index(at).load(KEY_STORED)
     k = gl.reshape(gl.permute(gl.reshape(k, [8, 8, WORDS]), [1, 0, 2]), [64, WORDS])
     v = vbuf.index(at).load(VALUE_STORED)
     v = gl.reshape(gl.permute(gl.reshape(v, [16, 4, WORDS]), [1, 0, 2]), [64, WORDS])
     return (gl.convert_layout(k, KEY_LOAD, assert_trivial=True), gl.convert_layout(v, VALUE_LOAD, assert_trivial=True),
-            ksbuf.index(at).reshape([64]).load(ROW_LOAD), kzbuf.index(at).reshape([64]).load(ROW_LOAD),
-            vsbuf.index(at).reshape([64]).load(ROW_LOAD), vzbuf.index(at).reshape([64]).load(VALUE_ROW_LOAD))
-
-'''
+''')]
 
 
 def tma_rows_kernel(ramp: bool = False):
-    """The shipped history kernel with `HELPERS` in place of its `_page_slots`, `_stage_page` and `_staged_page`
-    (each slot waited on by its mbarrier instead of cp.async groups), taking descriptors kd .. vzd (`descriptors`).
+    """The shipped history kernel with its pages staged by the TMA (`probe_tma_reads.tma_kernel_source`) and read by
+    `STAGED_PAGE`, taking the descriptors of `descriptors` as keyword arguments kd .. vzd.
     ramp: the prologue copies only the split's first page, and each of the first STAGES - 2 loop steps copies the
     next page besides the page STAGES - 1 ahead (so the first page is not queued behind the others; at most 4
     slots)."""
     import inspect
 
-    from oscarkv.kernels import gluon_history_kernel
     from probe_history_timeline import apply_edits, load_history_kernel
-    from probe_tma_reads import _cut_function
+    from probe_tma_reads import TMA_HELPERS, _copy_page, tma_kernel_source
 
-    source = inspect.getsource(gluon_history_kernel)
-    for name in ("_page_slots", "_stage_page", "_staged_page"):
-        source = _cut_function(source, name)
-    edits = [
-        ("from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2\n",
-         "from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2\n"
-         "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma\n"),
-        ("SHIFT_BLOCK: gl.constexpr = 1, STAGES: gl.constexpr = 2, TERM_ROWS: gl.constexpr = 8):",
-         "SHIFT_BLOCK: gl.constexpr = 1, STAGES: gl.constexpr = 2, TERM_ROWS: gl.constexpr = 8,\n"
-         "        kd=None, vd=None, ksd=None, kzd=None, vsd=None, vzd=None):"),
-        ("    slots = _page_slots(STAGES)\n", "    slots = _page_slots(STAGES, kd, vd, ksd, kzd, vsd, vzd)\n"),
-        ("        async_copy.wait_group(STAGES - 2)  # this thread's copies of page index have landed\n",
-         "        mbarrier.wait(slots[6].index(i % STAGES), (i // STAGES) & 1)\n"),
-        ("    async_copy.wait_group(0)\n", ""),
-        ("@gluon.jit\ndef history_kernel(", HELPERS + "\n@gluon.jit\ndef history_kernel("),
-    ]
+    helpers = STORED_LAYOUTS + apply_edits(TMA_HELPERS, STAGED_PAGE) + "\n" + inspect.getsource(_copy_page.fn)
+    edits = [("    async_copy.wait_group(0)\n", "")]
     if ramp:
         edits += [
             ("vs_ptr, vz_ptr, slots, j, lo + j < hi, HKV, P)\n",
@@ -146,12 +83,12 @@ def tma_rows_kernel(ramp: bool = False):
             ("        oks = oks | (ok.to(gl.int32) << (STAGES - 1))\n",
              "        oks = oks | (ok.to(gl.int32) << (STAGES - 1))\n"
              "        if i < STAGES - 2:\n"
-             "            ok_next = _stage_page(gl.where(i == 0, deferred1, deferred2), num_pages, h, kc16, vc16,\n"
-             "                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots, (i + 1) % STAGES, index + 1 < hi,\n"
-             "                                  HKV, P)\n"
+             "            ok_next = _stage_page(gl.where(i == 0, deferred1, deferred2), num_pages, h, kc16,\n"
+             "                                  vc16, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots, (i + 1) % STAGES,\n"
+             "                                  index + 1 < hi, HKV, P)\n"
              "            oks = oks | (ok_next.to(gl.int32) << 1)\n"),
         ]
-    return load_history_kernel("tma_rows_ramp_kernel" if ramp else "tma_rows_kernel", apply_edits(source, edits))
+    return load_history_kernel("tma_rows_ramp_kernel" if ramp else "tma_rows_kernel", tma_kernel_source(helpers, edits))
 
 
 def permuted_pools(layer) -> tuple[torch.Tensor, torch.Tensor]:

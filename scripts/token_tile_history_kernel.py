@@ -16,20 +16,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from oscarkv.kernels.gluon_history_kernel import _async_load, _masked_units, _warp_barrier
+from oscarkv.kernels.gluon_history_kernel import _async_load, _high_bytes, _slice_units, _warp_barrier
 
 WORDS: gl.constexpr = gl.constexpr(16)
-
-
-@gluon.jit
-def _high_bytes(w):
-    """w >> 8 per int16 word (only the low 8 bits of the result are used)."""
-    return gl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [w], dtype=gl.int16, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _slice_units(w, high, s: gl.constexpr):
-    return _masked_units(w if s < 4 else high, 3 << (2 * (s % 4)))
 
 
 @gluon.jit
