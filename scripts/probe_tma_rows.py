@@ -18,8 +18,8 @@ page's keys is stored at row 8j + g and token 16c + r of its values at row 4r + 
 from rows that one read takes as 256 (keys) or 128 (values) contiguous bytes, and a relabelling of the loaded
 tile that moves no data gives the shipped register layouts, so the page's arithmetic is the shipped kernel's. (The
 cache's own page layout would have to change with the write path for this to ship; not done here.)
-Found: correct; the reads without conflicts take back about 1 us of the seventieth session's 3 (1x128K 33.8-34.0 us
-at 2 slots against 35.0 then), still slower than the shipped 32.0-32.3, and slower again with each slot (3 slots
+Found: correct; the reads without conflicts take back about 1.5 us of the seventieth session's 3 (1x128K 33.8-34.0 us
+at 2 slots; 33.9 against its 35.4 on one machine), still slower than the shipped 32.0-32.3, and slower again with each slot (3 slots
 34.5-34.6, 4 slots 36.0), ramped or not (35.2 and 35.6); docs/data/tma-rows-h200-s73.txt.
 """
 
