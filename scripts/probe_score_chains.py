@@ -197,6 +197,17 @@ def main() -> None:
     compare_shapes(args.shapes, lambda case, spec: kernels, args.rounds, args.splits)
 
 
+class WithKeywords:
+    """A history kernel launched with some keyword arguments fixed (a variant of `compare_variants` is a kernel taken
+    with `[grid]`)."""
+
+    def __init__(self, kernel, **keywords):
+        self.kernel, self.keywords = kernel, keywords
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **self.keywords, **kwargs)
+
+
 def compare_shapes(shapes: str, variants_of, rounds: int, splits: int = 0) -> None:
     """`compare_variants` for each shape of `shapes` ("BxCONTEXT,..."), after a line with the GPU and its copy
     bandwidth."""

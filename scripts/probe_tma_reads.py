@@ -265,14 +265,11 @@ def tma_history_kernel():
                                tma_kernel_source(TMA_HELPERS + "\n" + inspect.getsource(_copy_page.fn)))
 
 
-class WithDescriptors:
+def with_descriptors(kernel, descs):
     """A history kernel launched with a layer's TMA descriptors as its keyword arguments kd .. vzd."""
+    from probe_score_chains import WithKeywords
 
-    def __init__(self, kernel, descs):
-        self.kernel, self.descs = kernel, dict(zip(("kd", "vd", "ksd", "kzd", "vsd", "vzd"), descs))
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, **self.descs, **kwargs)
+    return WithKeywords(kernel, **dict(zip(("kd", "vd", "ksd", "kzd", "vsd", "vzd"), descs)))
 
 
 def kernel_main(shapes: str, stages: str, rounds: int) -> None:
@@ -286,7 +283,7 @@ def kernel_main(shapes: str, stages: str, rounds: int) -> None:
     tma_kernel = tma_history_kernel()
 
     def variants(case, spec):
-        tma = WithDescriptors(tma_kernel, descriptors(case.layer))
+        tma = with_descriptors(tma_kernel, descriptors(case.layer))
         return {"shipped (cp.async), 2 slots": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
                 **{f"TMA, {s} slots": (tma, s) for s in (int(x) for x in stages.split(","))}}
 

@@ -19,8 +19,8 @@ from rows that one read takes as 256 (keys) or 128 (values) contiguous bytes, an
 tile that moves no data gives the shipped register layouts, so the page's arithmetic is the shipped kernel's. (The
 cache's own page layout would have to change with the write path for this to ship; not done here.)
 Found: correct; the reads without conflicts take back about 1.5 us of the seventieth session's 3 (1x128K 33.8-34.0 us
-at 2 slots; 33.9 against its 35.4 on one machine), still slower than the shipped 32.0-32.3, and slower again with each slot (3 slots
-34.5-34.6, 4 slots 36.0), ramped or not (35.2 and 35.6); docs/data/tma-rows-h200-s73.txt.
+at 2 slots; 33.9 against its 35.4 on one machine), still slower than the shipped 32.0-32.3, and slower again with
+each slot (3 slots 34.5-34.6, 4 slots 36.0), ramped or not (35.2 and 35.6); docs/data/tma-rows-h200-s73.txt.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from oscarkv.kernels import gluon_history, gluon_history_kernel
-    from probe_tma_reads import WithDescriptors
+    from probe_tma_reads import with_descriptors
 
     kernel = tma_rows_kernel()
     ramped = tma_rows_kernel(ramp=True)
@@ -135,12 +135,12 @@ def main() -> None:
 
         spec = args.shapes.split(",")[0]
         layer = decode_case(*(int(x) for x in spec.split("x"))).layer  # the same random layer as run_once's
-        run_once(spec, [gluon_history_kernel.history_kernel, WithDescriptors(kernel, descriptors(layer))])
+        run_once(spec, [gluon_history_kernel.history_kernel, with_descriptors(kernel, descriptors(layer))])
         return
 
     def variants(case, spec):
         descs = descriptors(case.layer)
-        tma, tma_ramped = WithDescriptors(kernel, descs), WithDescriptors(ramped, descs)
+        tma, tma_ramped = with_descriptors(kernel, descs), with_descriptors(ramped, descs)
         return {"shipped (cp.async), 2 slots": (gluon_history_kernel.history_kernel, gluon_history.STAGES),
                 **{f"TMA, permuted rows, {s} slots": (tma, s) for s in stages},
                 **{f"TMA, rows, ramped, {s} slots": (tma_ramped, s) for s in stages if 2 < s <= 4}}

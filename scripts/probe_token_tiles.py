@@ -22,17 +22,7 @@ import argparse
 
 import torch
 
-from probe_score_chains import compare_shapes
-
-
-class WithQuarters:
-    """The token-slice kernel launched with QUARTERS fixed (the probe's variants take a kernel with `[grid]`)."""
-
-    def __init__(self, kernel, quarters: int):
-        self.kernel, self.quarters = kernel, quarters
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, QUARTERS=self.quarters, **kwargs)
+from probe_score_chains import WithKeywords, compare_shapes
 
 
 def splits_for(case, quarters: int, page_splits: int) -> int:
@@ -77,7 +67,7 @@ def main() -> None:
             n = splits_for(case, quarters, page_splits)
             for stages in (int(s) for s in args.stages.split(",")):
                 found[f"T={64 // quarters} {quarters}x{page_splits} s{stages}"] = (
-                    WithQuarters(history_kernel, quarters), stages, n, 128)
+                    WithKeywords(history_kernel, QUARTERS=quarters), stages, n, 128)
         return found
 
     compare_shapes(args.shapes, variants, args.rounds)
